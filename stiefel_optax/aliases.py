@@ -1,0 +1,69 @@
+"""Optimizers for Stiefel frames, each an `optax.chain` of the transforms.
+
+The leaves are frames (..., d, r); wrap with `layouts.with_frame_layout` for
+kernels whose frames lie along other axes, or use `partition.stiefel_attention`
+for a whole Flax model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import optax
+
+from stiefel_optax import transforms
+
+DEFAULT_MAX_STEP_NORM = 0.1
+
+
+def _cap_and_retract(max_step_norm: Optional[float], retraction: str):
+  """The trust region (if any) and the polar retraction sized for it."""
+  cap = [] if max_step_norm is None else [transforms.clip_frame_norm(max_step_norm)]
+  # Without a cap, Newton–Schulz is sized for steps up to ||xi||_F = 1.
+  return cap + [transforms.retract_polar(
+      retraction, max_step_norm=max_step_norm or 1.0)]
+
+
+def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
+                 b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                 max_step_norm: Optional[float] = DEFAULT_MAX_STEP_NORM,
+                 retraction: str = "newton_schulz",
+                 mu_dtype: Optional[Any] = None
+                 ) -> optax.GradientTransformation:
+  """Riemannian Adam on St(d, r), one scalar second moment per frame.
+
+  Per frame W with Euclidean gradient G:
+
+      g   = P_W(G) = G - W sym(W^T G)
+      m   = b1 P_W(m) + (1 - b1) g,    v = b2 v + (1 - b2) ||g||_F^2
+      xi  = -lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+      xi  = xi min(1, max_step_norm / ||xi||_F)
+      W+  = polar(W + xi)
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1, b2, eps: Adam's decay rates and denominator offset.
+    max_step_norm: the trust-region radius delta (Frobenius, per frame);
+      None disables the cap (ablation).
+    retraction: "newton_schulz" (matmul only, default) or "eigh".
+    mu_dtype: dtype of the first moment.
+  """
+  return optax.chain(
+      transforms.project_to_tangent(),
+      transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype),
+      optax.scale_by_learning_rate(learning_rate),
+      *_cap_and_retract(max_step_norm, retraction))
+
+
+def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
+                   max_step_norm: Optional[float] = None,
+                   retraction: str = "newton_schulz"
+                   ) -> optax.GradientTransformation:
+  """Fixed-step Riemannian SGD: W+ = polar(W - lr P_W(G)).
+
+  Unlike `stiefel_adam` the step is proportional to the gradient's scale.
+  """
+  return optax.chain(
+      transforms.project_to_tangent(),
+      optax.scale_by_learning_rate(learning_rate),
+      *_cap_and_retract(max_step_norm, retraction))

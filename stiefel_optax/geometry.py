@@ -1,0 +1,200 @@
+"""Geometry of the Stiefel manifold St(d, r) = {W in R^(d x r) : W^T W = I_r}.
+
+Every function acts on arrays of shape (..., d, r): the last two axes are one
+frame, any leading axes are a batch of frames. All functions are pure jnp and
+jit/vmap friendly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+RETRACTIONS = ("newton_schulz", "eigh")
+
+
+def check_frame_shape(shape, name: str = "array") -> None:
+  """Raises ValueError unless `shape` is (..., d, r) with d >= r >= 1."""
+  shape = tuple(shape)
+  if len(shape) < 2:
+    raise ValueError(
+        f"{name}: a Stiefel frame needs rank >= 2 with shape (..., d, r); got"
+        f" shape {shape}.")
+  d, r = shape[-2], shape[-1]
+  if r > d:
+    raise ValueError(
+        f"{name}: shape {shape} has r = {r} columns > d = {d} rows; an"
+        " orthonormal frame needs d >= r.")
+  if r < 1:
+    raise ValueError(f"{name}: shape {shape} has no columns.")
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+  """The dtype the geometry runs in: at least float32 (bf16/f16 upcast)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def sym(a: jax.Array) -> jax.Array:
+  """sym(A) = (A + A^T) / 2 over the last two axes."""
+  return 0.5 * (a + jnp.swapaxes(a, -1, -2))
+
+
+def gram(a: jax.Array, b: Optional[jax.Array] = None) -> jax.Array:
+  """A^T B per frame (A^T A when b is None)."""
+  b = a if b is None else b
+  return jnp.einsum("...dr,...ds->...rs", a, b)
+
+
+def frame_norm(x: jax.Array) -> jax.Array:
+  """||x||_F per frame; shape x.shape[:-2]."""
+  return jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1)))
+
+
+def project_tangent(w: jax.Array, g: jax.Array) -> jax.Array:
+  """P_W(G) = G - W sym(W^T G): the orthogonal projection onto T_W St.
+
+  For W on the manifold the result xi satisfies W^T xi + xi^T W = 0 and
+  G - P_W(G) = W sym(W^T G) is normal (embedded metric).
+  """
+  check_frame_shape(w.shape, "w")
+  return g - w @ sym(gram(w, g))
+
+
+def isometry_error(w: jax.Array) -> jax.Array:
+  """||W^T W - I||_F per frame; shape w.shape[:-2]."""
+  check_frame_shape(w.shape, "w")
+  r = w.shape[-1]
+  return frame_norm(gram(w) - jnp.eye(r, dtype=w.dtype))
+
+
+def random_frames(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
+  """Haar-distributed orthonormal frames of shape (..., d, r).
+
+  QR of a Gaussian matrix with the signs of diag(R) folded into Q (Mezzadri
+  2007), which makes Q exactly Haar on St(d, r).
+  """
+  shape = tuple(shape)
+  check_frame_shape(shape, "shape")
+  gauss = jax.random.normal(key, shape, dtype=compute_dtype(dtype))
+  q, r = jnp.linalg.qr(gauss)
+  signs = jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))
+  signs = jnp.where(signs == 0, 1.0, signs).astype(q.dtype)
+  return (q * signs[..., None, :]).astype(dtype)
+
+
+def _inv_sqrt_eigh(m: jax.Array) -> jax.Array:
+  """M^(-1/2) for symmetric positive definite M via an r x r eigh."""
+  lam, v = jnp.linalg.eigh(m)
+  tiny = jnp.finfo(m.dtype).tiny
+  inv_root = jax.lax.rsqrt(jnp.maximum(lam, tiny))
+  return (v * inv_root[..., None, :]) @ jnp.swapaxes(v, -1, -2)
+
+
+def newton_schulz_residual(spread: float, num_steps: int) -> float:
+  """Worst-case eigenvalue residual after `num_steps` Newton–Schulz steps.
+
+  Let the spectrum of M lie in [1, 1 + s] and scale by c = 1 + s/2, so every
+  eigenvalue p of M/c has |1 - p| <= e_0 = s / (2 + s). The coupled iteration
+  T = (3I - Z Y)/2, Y <- Y T, Z <- T Z keeps Z Y a polynomial in M/c, and in
+  each eigen-direction p_k = z_k y_k obeys p_{k+1} = p_k (3 - p_k)^2 / 4, i.e.
+  with e = 1 - p:  e_{k+1} = e_k^2 (3 + e_k) / 4  (quadratic convergence; the
+  case p > 1 maps to a smaller residual, so e_0 bounds both ends).
+  At the end (A Z / sqrt(c))^T (A Z / sqrt(c)) has eigenvalues 1 - e_K.
+  """
+  e = spread / (2.0 + spread)
+  for _ in range(num_steps):
+    e = e * e * (3.0 + e) / 4.0
+  return e
+
+
+def newton_schulz_steps(max_step_norm: float = 1.0, tol: float = 1e-8) -> int:
+  """Fewest Newton–Schulz steps that retract any step with ||xi||_F <= delta.
+
+  For tangent xi at W, (W + xi)^T (W + xi) = I + xi^T xi with spectrum in
+  [1, 1 + ||xi||_2^2] subset [1, 1 + delta^2]; see `newton_schulz_residual`.
+  delta = 1 needs 4 steps, delta = 0.1 needs 2 (tol = 1e-8, below float32
+  rounding).
+  """
+  if not max_step_norm > 0 or not math.isfinite(max_step_norm):
+    raise ValueError(f"max_step_norm must be finite and > 0; got {max_step_norm}.")
+  spread = max_step_norm ** 2
+  steps = 0
+  while newton_schulz_residual(spread, steps) > tol:
+    steps += 1
+  return max(steps, 1)
+
+
+def _inv_sqrt_newton_schulz(m: jax.Array, lo: jax.Array, hi: jax.Array,
+                            num_steps: int) -> jax.Array:
+  """M^(-1/2) for M with spectrum in [lo, hi] (per frame), matmuls only.
+
+  Scales by c = (lo + hi) / 2 so that |1 - p| < 1 for every eigenvalue p of
+  M / c; converges whenever lo > 0.
+  """
+  r = m.shape[-1]
+  c = (0.5 * (lo + hi))[..., None, None]
+  eye = jnp.eye(r, dtype=m.dtype)
+  y, z = m / c, jnp.broadcast_to(eye, m.shape)
+  for _ in range(num_steps):
+    t = 0.5 * (3.0 * eye - z @ y)
+    y, z = y @ t, t @ z
+  return z * jax.lax.rsqrt(c)
+
+
+def polar(a: jax.Array, method: str = "eigh", *,
+          num_steps: Optional[int] = None) -> jax.Array:
+  """Polar factor polar(A) = A (A^T A)^(-1/2) per frame, shape (..., d, r).
+
+  Only r x r matrices are factorised; no d x r SVD.
+  method="eigh": exact inverse square root by a symmetric eigendecomposition.
+  method="newton_schulz": matmul-only, for near-orthonormal A (the spectrum
+  of A^T A within [1 - s, 1 + s], s = ||A^T A - I||_F < 1); `num_steps`
+  defaults to 6. For retractions prefer `retract`, which knows a tighter
+  bound from the step norm.
+  """
+  check_frame_shape(a.shape, "a")
+  dtype = a.dtype
+  a = a.astype(compute_dtype(dtype))
+  m = gram(a)
+  if method == "eigh":
+    inv_root = _inv_sqrt_eigh(m)
+  elif method == "newton_schulz":
+    s = isometry_error(a)
+    inv_root = _inv_sqrt_newton_schulz(m, 1.0 - s, 1.0 + s,
+                                       6 if num_steps is None else num_steps)
+  else:
+    raise ValueError(f"method must be one of {RETRACTIONS}; got {method!r}.")
+  return (a @ inv_root).astype(dtype)
+
+
+def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
+            max_step_norm: float = 1.0,
+            num_steps: Optional[int] = None) -> jax.Array:
+  """Polar retraction R_W(xi) = polar(W + xi).
+
+  The r x r matrix inverted is M = (W + xi)^T (W + xi), formed from W + xi
+  itself so that a frame which rounding moved slightly off the manifold is
+  pulled back onto it. For tangent xi and W on the manifold M = I + xi^T xi,
+  whose spectrum lies in [1, 1 + ||xi||_F^2]; Newton–Schulz scales by that
+  per-frame bound and runs `newton_schulz_steps(max_step_norm)` steps, which
+  is exact to float32 rounding whenever ||xi||_F <= max_step_norm.
+  """
+  check_frame_shape(w.shape, "w")
+  dtype = w.dtype
+  cdtype = compute_dtype(dtype)
+  a = w.astype(cdtype) + xi.astype(cdtype)
+  m = gram(a)
+  if method == "eigh":
+    inv_root = _inv_sqrt_eigh(m)
+  elif method == "newton_schulz":
+    if num_steps is None:
+      num_steps = newton_schulz_steps(max_step_norm)
+    spread = jnp.square(frame_norm(xi.astype(cdtype)))
+    inv_root = _inv_sqrt_newton_schulz(m, jnp.ones_like(spread), 1.0 + spread,
+                                       num_steps)
+  else:
+    raise ValueError(f"method must be one of {RETRACTIONS}; got {method!r}.")
+  return (a @ inv_root).astype(dtype)

@@ -1,0 +1,235 @@
+"""Optax transforms of the Riemannian Adam on Stiefel frames.
+
+Each transform acts on leaves whose last two axes are one frame (d, r) and
+needs `params` (the current frames W). Chained as in `aliases.stiefel_adam`:
+
+    project_to_tangent -> scale_by_frame_adam -> scale_by_learning_rate
+      -> clip_frame_norm -> retract_polar
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from stiefel_optax import geometry
+
+
+def _require_params(params, name: str):
+  if params is None:
+    raise ValueError(
+        f"{name} needs params: the current frames W are part of the Stiefel"
+        f" step. Call tx.update(grads, state, params).")
+
+
+def _check_leaf(path, leaf, name: str):
+  where = f"{name}: parameter {jax.tree_util.keystr(path) or '<root>'}"
+  if not hasattr(leaf, "shape"):
+    raise ValueError(f"{where} is {type(leaf).__name__}, not an array.")
+  if not jnp.issubdtype(leaf.dtype, jnp.floating):
+    raise ValueError(
+        f"{where} with shape {tuple(leaf.shape)} has dtype {leaf.dtype}; a"
+        " Stiefel frame must be floating point.")
+  geometry.check_frame_shape(leaf.shape, where)
+
+
+def check_frame_leaves(params, name: str) -> None:
+  """Raises ValueError naming the leaf path and shape of any leaf that cannot
+  hold Stiefel frames (rank < 2, r > d, non-float dtype)."""
+  _require_params(params, name)
+  jax.tree_util.tree_map_with_path(
+      lambda p, x: _check_leaf(p, x, name), params)
+
+
+def _per_frame(fn, *trees):
+  """Applies fn leafwise in the compute dtype; casts back to the first
+  tree's dtypes (the updates)."""
+  def leaf(*xs):
+    cdtype = geometry.compute_dtype(xs[0].dtype)
+    return fn(*(x.astype(cdtype) for x in xs)).astype(xs[0].dtype)
+  return jax.tree.map(leaf, *trees)
+
+
+def unzip3(treedef, tree):
+  """Splits a tree of 3-tuples (with outer structure treedef) into 3 trees."""
+  leaves = treedef.flatten_up_to(tree)
+  return tuple(treedef.unflatten([leaf[i] for leaf in leaves])
+               for i in range(3))
+
+
+# --------------------------------------------------------------------------
+# Tangent projection.
+
+
+def project_to_tangent() -> optax.GradientTransformation:
+  """Replaces each gradient G by its Riemannian gradient P_W(G).
+
+  P_W(G) = G - W sym(W^T G) (embedded metric). P_W(W) = 0 for W on the
+  manifold, so Euclidean weight decay placed before this transform has no
+  effect on a frame.
+  """
+
+  def init_fn(params):
+    check_frame_leaves(params, "project_to_tangent")
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    _require_params(params, "project_to_tangent")
+    return _per_frame(lambda g, w: geometry.project_tangent(w, g),
+                      updates, params), state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------
+# Scale-free Adam moment.
+
+
+class ScaleByFrameAdamState(NamedTuple):
+  """State of `scale_by_frame_adam`.
+
+  count: steps taken, shape (); mu: first moment, one entry per element;
+  nu: second moment, ONE scalar per frame (shape leaf.shape[:-2]).
+  """
+  count: chex.Array
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                        *, mu_dtype: Optional[Any] = None,
+                        transport_momentum: bool = True
+                        ) -> optax.GradientTransformation:
+  """Riemannian Adam with one scalar second moment per frame.
+
+  With g the incoming (tangent) gradient of a frame W:
+
+      m = b1 * P_W(m) + (1 - b1) * g
+      v = b2 * v + (1 - b2) * ||g||_F^2
+      u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+  P_W carries the momentum, tangent at the previous frame, to the tangent
+  space at W (projection as vector transport). Because v is one scalar per
+  frame, u is invariant to any rescaling of the gradient when eps = 0, and
+  the step commutes with W -> QW for Q in O(d).
+
+  A frame whose gradient holds a NaN or Inf keeps its moments and gets a
+  zero step, so one bad frame never corrupts the others or the state.
+  With v = 0 (a zero gradient so far) the step is zero, never NaN.
+
+  Args:
+    b1, b2, eps: as in `optax.scale_by_adam`.
+    mu_dtype: dtype of the first moment (default: that of the params).
+    transport_momentum: if False, m is not projected (ablation).
+  """
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+
+  def init_fn(params):
+    check_frame_leaves(params, "scale_by_frame_adam")
+    mu = jax.tree.map(
+        lambda w: jnp.zeros_like(w, dtype=mu_dtype or w.dtype), params)
+    nu = jax.tree.map(
+        lambda w: jnp.zeros(w.shape[:-2], geometry.compute_dtype(w.dtype)),
+        params)
+    return ScaleByFrameAdamState(jnp.zeros([], jnp.int32), mu, nu)
+
+  def update_fn(updates, state, params=None):
+    _require_params(params, "scale_by_frame_adam")
+    count = optax.safe_increment(state.count)
+    t = count.astype(jnp.float32)
+    bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+
+    def leaf(g_in, m, v, w):
+      cdtype = geometry.compute_dtype(w.dtype)
+      g, m_c, w = g_in.astype(cdtype), m.astype(cdtype), w.astype(cdtype)
+      finite = jnp.all(jnp.isfinite(g), axis=(-2, -1))
+      g = jnp.where(finite[..., None, None], g, 0.0)
+      if transport_momentum:
+        m_c = geometry.project_tangent(w, m_c)
+      m_new = b1 * m_c + (1.0 - b1) * g
+      v_new = b2 * v + (1.0 - b2) * jnp.sum(jnp.square(g), axis=(-2, -1))
+      m_new = jnp.where(finite[..., None, None], m_new, m.astype(cdtype))
+      v_new = jnp.where(finite, v_new, v)
+      denom = jnp.sqrt(v_new / bc2.astype(cdtype)) + eps
+      scale = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+      u = (m_new / bc1.astype(cdtype)) * scale[..., None, None]
+      u = jnp.where(finite[..., None, None], u, 0.0)
+      return u.astype(g_in.dtype), m_new.astype(m.dtype), v_new
+
+    out = jax.tree.map(leaf, updates, state.mu, state.nu, params)
+    u, mu, nu = unzip3(jax.tree.structure(updates), out)
+    return u, ScaleByFrameAdamState(count, mu, nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------
+# Trust region.
+
+
+def clip_frame_norm(max_norm: float) -> optax.GradientTransformation:
+  """Trust region: xi <- xi * min(1, max_norm / ||xi||_F), per frame.
+
+  Applied after the learning rate, so it caps the actual step. It bounds the
+  spectrum of (W + xi)^T (W + xi) = I + xi^T xi within [1, 1 + max_norm^2].
+  """
+  if not max_norm > 0:
+    raise ValueError(f"clip_frame_norm: max_norm must be > 0; got {max_norm}.")
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+
+    def clip(xi):
+      norm = geometry.frame_norm(xi)
+      factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, max_norm))
+      return xi * factor[..., None, None]
+
+    return _per_frame(clip, updates), state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------
+# Polar retraction.
+
+
+def retract_polar(method: str = "newton_schulz", *, max_step_norm: float = 1.0
+                  ) -> optax.GradientTransformation:
+  """Turns a tangent step xi into the additive update polar(W + xi) - W.
+
+  `optax.apply_updates(W, update)` then lands on the retracted frame. With
+  method="newton_schulz" (matmul only) steps up to ||xi||_F <= max_step_norm
+  are retracted to float32 rounding (see `geometry.newton_schulz_steps`);
+  method="eigh" is exact for any step.
+  """
+  if method not in geometry.RETRACTIONS:
+    raise ValueError(
+        f"retract_polar: method must be one of {geometry.RETRACTIONS}; got"
+        f" {method!r}.")
+  num_steps = geometry.newton_schulz_steps(max_step_norm)
+
+  def init_fn(params):
+    check_frame_leaves(params, "retract_polar")
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    _require_params(params, "retract_polar")
+
+    def leaf(xi, w):
+      cdtype = geometry.compute_dtype(w.dtype)
+      w_c = w.astype(cdtype)
+      new = geometry.retract(w_c, xi.astype(cdtype), method,
+                             num_steps=num_steps)
+      return (new - w_c).astype(xi.dtype)
+
+    return jax.tree.map(leaf, updates, params), state
+
+  return optax.GradientTransformation(init_fn, update_fn)
