@@ -15,5 +15,11 @@ from stiefel_optax.transforms import (
     ScaleByFrameAdamState, clip_frame_norm, project_to_tangent,
     retract_polar, scale_by_frame_adam)
 from stiefel_optax.aliases import riemannian_sgd, stiefel_adam
+from stiefel_optax.partition import (
+    DEFAULT_QK_PATTERNS, EUCLIDEAN, STIEFEL, check_labels, frames_transform,
+    kernel_layout, map_frames, orthonormal_heads_init, orthonormalize,
+    path_str, qk_labels, stiefel_attention)
+from stiefel_optax.diagnostics import (
+    check_frames, frame_isometry_errors, frame_movement, max_isometry_error)
 
 __version__ = "0.1.0"

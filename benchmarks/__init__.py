@@ -1,0 +1,1 @@
+"""Benchmarks of stiefel_optax: models, data, paired-seed experiments, speed."""

@@ -1,0 +1,56 @@
+"""Paired-seed statistics shared by the experiments (scipy.stats)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from scipy import stats
+
+
+def paired_comparison(treatment: Sequence[float], baseline: Sequence[float],
+                      confidence: float = 0.95) -> dict:
+  """Paired comparison of two arms over the same seeds.
+
+  Returns the mean difference (treatment - baseline) with its t-interval,
+  the paired t statistic and two-sided p-value (scipy.stats.ttest_rel), the
+  Wilcoxon signed-rank p-value where defined, and the wins k of N.
+  """
+  a = np.asarray(treatment, dtype=np.float64)
+  b = np.asarray(baseline, dtype=np.float64)
+  if a.shape != b.shape or a.ndim != 1:
+    raise ValueError(f"paired arms need equal 1-D shapes; got {a.shape}, {b.shape}")
+  diff = a - b
+  n = diff.size
+  out = {"n": int(n), "mean_diff": float(diff.mean()) if n else float("nan"),
+         "wins": int(np.sum(diff > 0)), "losses": int(np.sum(diff < 0)),
+         "ties": int(np.sum(diff == 0))}
+  if n >= 2 and np.std(diff) > 0:
+    t = stats.ttest_rel(a, b)
+    ci = stats.t.interval(confidence, n - 1, loc=diff.mean(),
+                          scale=stats.sem(diff))
+    out.update(t=float(t.statistic), p=float(t.pvalue),
+               ci_low=float(ci[0]), ci_high=float(ci[1]))
+    try:
+      out["wilcoxon_p"] = float(stats.wilcoxon(a, b).pvalue)
+    except ValueError:
+      out["wilcoxon_p"] = float("nan")
+  else:
+    out.update(t=float("nan"), p=float("nan"), ci_low=out["mean_diff"],
+               ci_high=out["mean_diff"], wilcoxon_p=float("nan"))
+  return out
+
+
+def unpaired_comparison(a: Sequence[float], b: Sequence[float]) -> dict:
+  """Welch's t-test and Mann–Whitney U for arms without pairing (e.g. a
+  statistic that is undefined for some seeds)."""
+  a = np.asarray(a, dtype=np.float64)
+  b = np.asarray(b, dtype=np.float64)
+  out = {"n_a": int(a.size), "n_b": int(b.size),
+         "mean_a": float(a.mean()) if a.size else float("nan"),
+         "mean_b": float(b.mean()) if b.size else float("nan")}
+  if a.size >= 2 and b.size >= 2:
+    t = stats.ttest_ind(a, b, equal_var=False)
+    out.update(t=float(t.statistic), p=float(t.pvalue),
+               mannwhitney_p=float(stats.mannwhitneyu(a, b).pvalue))
+  return out
