@@ -93,36 +93,58 @@ def _inv_sqrt_eigh(m: jax.Array) -> jax.Array:
   return (v * inv_root[..., None, :]) @ jnp.swapaxes(v, -1, -2)
 
 
-def newton_schulz_residual(spread: float, num_steps: int) -> float:
+def step_spectrum(step_norm, tangent: bool = True):
+  """Bounds [lo, hi] on the spectrum of (W + xi)^T (W + xi), W orthonormal.
+
+  Tangent xi: (W + xi)^T (W + xi) = I + xi^T xi, so [1, 1 + n^2] with
+  n = ||xi||_F >= ||xi||_2. Any xi with n < 1: the singular values of W + xi
+  lie in [1 - n, 1 + n] (Weyl), so [(1 - n)^2, (1 + n)^2].
+  """
+  if tangent:
+    return 1.0 + 0.0 * step_norm, 1.0 + step_norm ** 2
+  return (1.0 - step_norm) ** 2, (1.0 + step_norm) ** 2
+
+
+def newton_schulz_residual(spread: float, num_steps: int, *,
+                           tangent: bool = True) -> float:
   """Worst-case eigenvalue residual after `num_steps` Newton–Schulz steps.
 
-  Let the spectrum of M lie in [1, 1 + s] and scale by c = 1 + s/2, so every
-  eigenvalue p of M/c has |1 - p| <= e_0 = s / (2 + s). The coupled iteration
+  `spread` is ||xi||_F^2. With the spectrum of M in [lo, hi]
+  (`step_spectrum`), scale by c = (lo + hi) / 2, so every eigenvalue p of
+  M/c has |1 - p| <= e_0 = (hi - lo) / (hi + lo): s / (2 + s) for tangent
+  steps, 2n / (1 + n^2) otherwise. The coupled iteration
   T = (3I - Z Y)/2, Y <- Y T, Z <- T Z keeps Z Y a polynomial in M/c, and in
   each eigen-direction p_k = z_k y_k obeys p_{k+1} = p_k (3 - p_k)^2 / 4, i.e.
   with e = 1 - p:  e_{k+1} = e_k^2 (3 + e_k) / 4  (quadratic convergence; the
   case p > 1 maps to a smaller residual, so e_0 bounds both ends).
   At the end (A Z / sqrt(c))^T (A Z / sqrt(c)) has eigenvalues 1 - e_K.
   """
-  e = spread / (2.0 + spread)
+  lo, hi = step_spectrum(math.sqrt(spread), tangent)
+  e = (hi - lo) / (hi + lo)
   for _ in range(num_steps):
     e = e * e * (3.0 + e) / 4.0
   return e
 
 
-def newton_schulz_steps(max_step_norm: float = 1.0, tol: float = 1e-8) -> int:
+def newton_schulz_steps(max_step_norm: float = 1.0, tol: float = 1e-8, *,
+                        tangent: bool = True) -> int:
   """Fewest Newton–Schulz steps that retract any step with ||xi||_F <= delta.
 
   For tangent xi at W, (W + xi)^T (W + xi) = I + xi^T xi with spectrum in
   [1, 1 + ||xi||_2^2] subset [1, 1 + delta^2]; see `newton_schulz_residual`.
   delta = 1 needs 4 steps, delta = 0.1 needs 2 (tol = 1e-8, below float32
-  rounding).
+  rounding). Non-tangent steps (tangent=False) need delta < 1 and more
+  steps (delta = 0.1: 4).
   """
   if not max_step_norm > 0 or not math.isfinite(max_step_norm):
     raise ValueError(f"max_step_norm must be finite and > 0; got {max_step_norm}.")
+  if not tangent and not max_step_norm < 1:
+    raise ValueError(
+        "a non-tangent step can make W + xi singular unless max_step_norm < 1;"
+        f" got {max_step_norm}. Use method='eigh' or a smaller cap.")
   spread = max_step_norm ** 2
   steps = 0
-  while newton_schulz_residual(spread, steps) > tol:
+  while newton_schulz_residual(spread, steps, tangent=tangent) > tol:
     steps += 1
   return max(steps, 1)
 
@@ -172,7 +194,8 @@ def polar(a: jax.Array, method: str = "eigh", *,
 
 def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
             max_step_norm: float = 1.0,
-            num_steps: Optional[int] = None) -> jax.Array:
+            num_steps: Optional[int] = None,
+            tangent: bool = True) -> jax.Array:
   """Polar retraction R_W(xi) = polar(W + xi).
 
   The r x r matrix inverted is M = (W + xi)^T (W + xi), formed from W + xi
@@ -181,6 +204,8 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
   whose spectrum lies in [1, 1 + ||xi||_F^2]; Newton–Schulz scales by that
   per-frame bound and runs `newton_schulz_steps(max_step_norm)` steps, which
   is exact to float32 rounding whenever ||xi||_F <= max_step_norm.
+  tangent=False uses the bound for any xi (`step_spectrum`) instead, for
+  steps that were not projected.
   """
   check_frame_shape(w.shape, "w")
   dtype = w.dtype
@@ -191,10 +216,9 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
     inv_root = _inv_sqrt_eigh(m)
   elif method == "newton_schulz":
     if num_steps is None:
-      num_steps = newton_schulz_steps(max_step_norm)
-    spread = jnp.square(frame_norm(xi.astype(cdtype)))
-    inv_root = _inv_sqrt_newton_schulz(m, jnp.ones_like(spread), 1.0 + spread,
-                                       num_steps)
+      num_steps = newton_schulz_steps(max_step_norm, tangent=tangent)
+    lo, hi = step_spectrum(frame_norm(xi.astype(cdtype)), tangent)
+    inv_root = _inv_sqrt_newton_schulz(m, lo, hi, num_steps)
   else:
     raise ValueError(f"method must be one of {RETRACTIONS}; got {method!r}.")
   return (a @ inv_root).astype(dtype)

@@ -201,20 +201,22 @@ def clip_frame_norm(max_norm: float) -> optax.GradientTransformation:
 # Polar retraction.
 
 
-def retract_polar(method: str = "newton_schulz", *, max_step_norm: float = 1.0
-                  ) -> optax.GradientTransformation:
+def retract_polar(method: str = "newton_schulz", *, max_step_norm: float = 1.0,
+                  tangent: bool = True) -> optax.GradientTransformation:
   """Turns a tangent step xi into the additive update polar(W + xi) - W.
 
   `optax.apply_updates(W, update)` then lands on the retracted frame. With
   method="newton_schulz" (matmul only) steps up to ||xi||_F <= max_step_norm
   are retracted to float32 rounding (see `geometry.newton_schulz_steps`);
-  method="eigh" is exact for any step.
+  method="eigh" is exact for any step. Set tangent=False when the incoming
+  steps are not tangent (no projection before it): Newton–Schulz then uses
+  the general bound and needs max_step_norm < 1.
   """
   if method not in geometry.RETRACTIONS:
     raise ValueError(
         f"retract_polar: method must be one of {geometry.RETRACTIONS}; got"
         f" {method!r}.")
-  num_steps = geometry.newton_schulz_steps(max_step_norm)
+  num_steps = geometry.newton_schulz_steps(max_step_norm, tangent=tangent)
 
   def init_fn(params):
     check_frame_leaves(params, "retract_polar")
@@ -227,7 +229,7 @@ def retract_polar(method: str = "newton_schulz", *, max_step_norm: float = 1.0
       cdtype = geometry.compute_dtype(w.dtype)
       w_c = w.astype(cdtype)
       new = geometry.retract(w_c, xi.astype(cdtype), method,
-                             num_steps=num_steps)
+                             num_steps=num_steps, tangent=tangent)
       return (new - w_c).astype(xi.dtype)
 
     return jax.tree.map(leaf, updates, params), state
