@@ -1,0 +1,93 @@
+"""Shared fixtures: float64 scope, jit/no-jit variants, certificate record.
+
+float64 is enabled per test through the thread-local `jax.enable_x64`
+context manager, so no test changes the global `jax_enable_x64` flag that
+the other test modules (float32) rely on.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+
+# Certificates: name -> largest measured relative error (float64 unless the
+# name says otherwise). Printed at the end of the session (`pytest -q -s` or
+# see the terminal summary).
+CERTIFICATES = collections.defaultdict(float)
+
+
+def record(name: str, value) -> float:
+  """Records a measured error under `name` (keeps the maximum) and returns
+  it as a float."""
+  value = float(value)
+  CERTIFICATES[name] = max(CERTIFICATES[name], value)
+  return value
+
+
+@pytest.fixture
+def certificate():
+  """The `record(name, value)` function."""
+  return record
+
+
+def pytest_terminal_summary(terminalreporter):
+  if not CERTIFICATES:
+    return
+  terminalreporter.section("stiefel_optax certificates (max measured error)")
+  for name in sorted(CERTIFICATES):
+    terminalreporter.write_line(f"{name:<58s} {CERTIFICATES[name]:.3e}")
+
+
+@pytest.fixture
+def x64():
+  """Runs the test with 64-bit types enabled (restored afterwards)."""
+  with jax.enable_x64(True):
+    yield
+
+
+@pytest.fixture(params=[True, False], ids=["jit", "nojit"])
+def variant(request):
+  """`jax.jit` or the identity: run each transform with and without jit."""
+  return jax.jit if request.param else (lambda f, **_: f)
+
+
+def np_frames(seed, shape, dtype=np.float64):
+  """Haar frames of `shape` (..., d, r) from NumPy (sign-corrected QR).
+
+  Test inputs come from NumPy so that the tests do not pay a
+  `jax.random` compilation for every new shape.
+  """
+  rng = np.random.default_rng(seed)
+  q, r = np.linalg.qr(rng.standard_normal(shape))
+  q = q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+  return q.astype(dtype)
+
+
+def np_normal(seed, shape, dtype=np.float64):
+  """Standard normal array from NumPy."""
+  return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def default_dtype(dtype=None):
+  """float64 inside `jax.enable_x64`, float32 outside (dtype=None)."""
+  if dtype is None:
+    return jax.dtypes.canonicalize_dtype(np.float64)
+  return dtype
+
+
+@pytest.fixture
+def frames():
+  """`frames(seed, shape, dtype=None)` -> jnp array of Haar frames (float64
+  under the `x64` fixture, else float32)."""
+  return lambda seed, shape, dtype=None: jax.numpy.asarray(
+      np_frames(seed, shape, default_dtype(dtype)))
+
+
+@pytest.fixture
+def normal():
+  """`normal(seed, shape, dtype=None)` -> jnp standard normal array."""
+  return lambda seed, shape, dtype=None: jax.numpy.asarray(
+      np_normal(seed, shape, default_dtype(dtype)))

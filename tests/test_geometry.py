@@ -1,0 +1,309 @@
+"""Geometry of St(d, r): projection, polar factor, retraction, Newton–Schulz.
+
+Shapes are tiny (d <= 16, r <= 4). float64 checks run under the `x64`
+fixture; float32 checks use the default precision.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stiefel_optax import geometry
+import stiefel_optax as so
+
+
+def rel(a, b):
+  """||a - b||_F / ||b||_F over the whole array, as a float."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def np_polar(a):
+  """polar(A) = U V^T from a float64 SVD A = U S V^T (reference)."""
+  u, _, vt = np.linalg.svd(np.asarray(a, np.float64), full_matrices=False)
+  return u @ vt
+
+
+def worst_tangent_step(w, delta):
+  """A rank-one tangent step xi = delta u v^T with u in the complement of
+  span(W): ||xi||_F = ||xi||_2 = delta, so (W + xi)^T (W + xi) = I + xi^T xi
+  has eigenvalues 1 (r - 1 times) and 1 + delta^2, the extremes of the
+  trust-region bound."""
+  d, r = w.shape[-2:]
+  x = jnp.zeros((d,), w.dtype).at[0].set(1.0).at[d - 1].set(1.0)
+  u = x - w @ (w.T @ x)
+  u = u / jnp.linalg.norm(u)
+  v = jnp.ones((r,), w.dtype) / math.sqrt(r)
+  return delta * jnp.outer(u, v)
+
+
+# ---------------------------------------------------------------------------
+# random_frames, isometry_error, sym
+
+
+def test_random_frames_are_haar():
+  """Orthonormal frames of the requested shape and dtype, Haar distributed:
+  E[W] = 0 and E[W W^T] = (r / d) I. A plain QR (signs of diag(R) not
+  folded in) has E[W_00] far from 0, so this can fail."""
+  shape = (2, 2000, 4, 2)
+  w = so.random_frames(jax.random.key(2), shape)
+  assert w.shape == shape and w.dtype == jnp.float32
+  err = so.isometry_error(w)
+  assert err.shape == shape[:-2] and float(jnp.max(err)) <= 1e-5
+  n, (d, r) = 4000, shape[-2:]
+  w = np.asarray(w, np.float64).reshape((n, d, r))
+  se = 1.0 / math.sqrt(d * n)          # std of the mean of one entry
+  assert np.max(np.abs(w.mean(axis=0))) <= 5 * se
+  proj = np.einsum("nij,nkj->ik", w, w) / n
+  assert np.max(np.abs(proj - (r / d) * np.eye(d))) <= 0.05
+
+
+def test_random_frames_float64_and_bfloat16(x64):
+  w = so.random_frames(jax.random.key(1), (8, 4), jnp.float64)
+  assert w.dtype == jnp.float64 and w.shape == (8, 4)
+  assert float(so.isometry_error(w)) <= 1e-13
+  b = so.random_frames(jax.random.key(1), (8, 4), jnp.bfloat16)
+  assert b.dtype == jnp.bfloat16
+  assert float(so.isometry_error(b.astype(jnp.float32))) <= 5e-2
+
+
+def test_isometry_error_is_frobenius_defect(normal):
+  a = normal(3, (3, 8, 4))
+  expected = np.linalg.norm(
+      np.einsum("bdi,bdj->bij", a, a) - np.eye(4), axis=(-2, -1))
+  np.testing.assert_allclose(so.isometry_error(a), expected, rtol=1e-5)
+
+
+def test_sym(normal):
+  a = normal(4, (3, 4, 4))
+  s = so.sym(a)
+  np.testing.assert_allclose(s, jnp.swapaxes(s, -1, -2))
+  np.testing.assert_allclose(s + (a - jnp.swapaxes(a, -1, -2)) / 2, a,
+                             atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Tangent projection
+
+
+def test_project_tangent_float64(x64, certificate, frames, normal):
+  """P_W is the orthogonal projector onto T_W St: W^T P(G) + P(G)^T W = 0,
+  P(P(G)) = P(G), <P(X), Y> = <X, P(Y)>, P(W) = 0; batched = per frame."""
+  w = frames(5, (3, 8, 4))
+  g, y = normal(6, w.shape), normal(7, w.shape)
+  p = so.project_tangent(w, g)
+  assert p.shape == g.shape and p.dtype == jnp.float64
+  skew = jnp.einsum("bdi,bdj->bij", w, p)
+  errs = [
+      float(jnp.max(geometry.frame_norm(skew + jnp.swapaxes(skew, -1, -2)))
+            / jnp.linalg.norm(g)),
+      rel(so.project_tangent(w, p), p),
+      abs(float(jnp.vdot(so.project_tangent(w, g), y)
+                - jnp.vdot(g, so.project_tangent(w, y))))
+      / float(jnp.linalg.norm(g) * jnp.linalg.norm(y)),
+      float(jnp.linalg.norm(so.project_tangent(w, w))),
+  ]
+  certificate("geometry: projector identities (f64)", max(errs))
+  assert max(errs) <= 1e-13
+  loop = jnp.stack([so.project_tangent(w[i], g[i]) for i in range(3)])
+  assert rel(p, loop) <= 1e-14
+
+
+# ---------------------------------------------------------------------------
+# Polar factor
+
+
+def test_polar_eigh_matches_svd_float64(x64, certificate, normal):
+  """polar(A) = A (A^T A)^(-1/2) from an r x r eigh equals U V^T (square
+  and tall frames)."""
+  for shape in [(4, 4), (3, 8, 4)]:
+    a = normal(6, shape)
+    p = so.polar(a, method="eigh")
+    assert p.shape == shape and p.dtype == jnp.float64
+    ref = np.stack([np_polar(x) for x in np.reshape(a, (-1,) + shape[-2:])])
+    err = rel(p, ref.reshape(shape))
+    certificate("geometry: polar eigh vs SVD (f64)", err)
+    assert err <= 1e-12
+
+
+def test_polar_newton_schulz_near_orthonormal(x64, frames, normal):
+  """For A near a frame, matmul-only Newton–Schulz agrees with eigh."""
+  w = frames(7, (3, 8, 4))
+  a = w + 0.05 * normal(8, w.shape)
+  assert float(jnp.max(so.isometry_error(a))) < 0.5
+  ns = so.polar(a, method="newton_schulz")
+  assert rel(ns, so.polar(a, method="eigh")) <= 1e-12
+  assert float(jnp.max(so.isometry_error(ns))) <= 1e-12
+
+
+def test_polar_of_a_frame_is_the_frame(frames):
+  w = frames(8, (3, 8, 4))
+  for method in geometry.RETRACTIONS:
+    assert rel(so.polar(w, method=method), w) <= 1e-6
+
+
+def test_polar_preserves_low_precision_dtype(frames):
+  w = frames(9, (8, 4), jnp.bfloat16)
+  for method in geometry.RETRACTIONS:
+    p = so.polar(w, method=method)
+    assert p.dtype == jnp.bfloat16 and p.shape == w.shape
+
+
+# ---------------------------------------------------------------------------
+# Retraction and Newton–Schulz
+
+
+@pytest.mark.parametrize("method", geometry.RETRACTIONS)
+def test_retract_zero_step_is_identity(method, frames):
+  w = frames(10, (3, 8, 4))
+  out = so.retract(w, jnp.zeros_like(w), method)
+  assert bool(jnp.all(jnp.isfinite(out)))
+  assert rel(out, w) <= 1e-6
+
+
+@pytest.mark.parametrize("method", geometry.RETRACTIONS)
+def test_retract_pulls_drifted_frame_back(method, frames, normal):
+  """A frame that rounding moved off St(d, r) lands back on it."""
+  w = frames(11, (3, 8, 4))
+  drifted = w + 1e-3 * normal(12, w.shape)
+  assert float(jnp.min(so.isometry_error(drifted))) > 1e-4
+  out = so.retract(drifted, jnp.zeros_like(w), method)
+  # float32 eigh of an r x r matrix is accurate to a few ulp of 1.
+  assert float(jnp.max(so.isometry_error(out))) <= 3e-6
+
+
+def test_retract_methods_agree(x64, certificate, frames, normal):
+  """Newton–Schulz sized for the trust region equals the exact (eigh)
+  polar retraction for tangent steps with ||xi||_F = delta."""
+  w = frames(12, (3, 8, 4))
+  xi0 = so.project_tangent(w, normal(13, w.shape))
+  for delta in (0.1, 0.5, 1.0, 2.0):
+    xi = xi0 * (delta / geometry.frame_norm(xi0))[:, None, None]
+    exact = so.retract(w, xi, "eigh")
+    ns = so.retract(w, xi, "newton_schulz", max_step_norm=delta)
+    err = rel(ns, exact)
+    certificate("geometry: retract NS vs eigh (f64, tol 1e-8 bound)", err)
+    assert err <= 1e-8
+    assert rel(exact, np.stack([np_polar(x) for x in (w + xi)])) <= 1e-12
+
+
+def test_newton_schulz_step_counts():
+  """The derived counts for the documented radii, and monotone in delta."""
+  counts = {d: so.newton_schulz_steps(d) for d in (0.1, 0.5, 1.0)}
+  assert counts == {0.1: 2, 0.5: 3, 1.0: 4}
+  radii = [0.01, 0.1, 0.3, 0.5, 1.0, 2.0, 4.0]
+  steps = [so.newton_schulz_steps(d) for d in radii]
+  assert steps == sorted(steps)
+  for d, k in zip(radii, steps):
+    assert geometry.newton_schulz_residual(d * d, k) <= 1e-8
+    if k > 1:
+      assert geometry.newton_schulz_residual(d * d, k - 1) > 1e-8
+
+
+def predicted_isometry(delta, r, steps):
+  """Exact isometry error of the Newton–Schulz retraction of the rank-one
+  step `worst_tangent_step`: M / c has eigenvalues 1 / c (r - 1 times) and
+  (1 + delta^2) / c, c = 1 + delta^2 / 2, and each eigenvalue p of the
+  final Gram matrix follows p <- p (3 - p)^2 / 4."""
+  c = 1.0 + delta ** 2 / 2.0
+  ps = np.array([1.0 / c] * (r - 1) + [(1.0 + delta ** 2) / c])
+  for _ in range(steps):
+    ps = ps * (3.0 - ps) ** 2 / 4.0
+  return float(np.linalg.norm(1.0 - ps))
+
+
+def test_newton_schulz_count_is_tight_float64(x64, certificate, frames):
+  """Worst case of the trust region: a rank-one tangent step with
+  ||xi||_F = ||xi||_2 = delta. With the derived count K every eigenvalue
+  residual is <= tol = 1e-8; with K - 1 steps the measured residual is
+  the predicted e_{K-1} > tol, so the count cannot be lowered."""
+  w = frames(13, (16, 4))
+  r, tol = w.shape[-1], 1e-8
+  retract = jax.jit(so.retract, static_argnames=("method", "num_steps"))
+  for delta in (0.1, 0.5, 1.0):
+    xi = worst_tangent_step(w, delta)
+    assert abs(float(jnp.linalg.norm(xi)) - delta) <= 1e-14
+    k = so.newton_schulz_steps(delta)
+    for steps in (k, k - 1):
+      out = retract(w, xi, method="newton_schulz", num_steps=steps)
+      measured = float(so.isometry_error(out))
+      predicted = predicted_isometry(delta, r, steps)
+      if steps == k:
+        assert measured <= math.sqrt(r) * tol
+      else:
+        # The analysis is exact: measured == predicted up to rounding.
+        err = abs(measured / predicted - 1.0)
+        certificate("geometry: NS K-1 residual, measured vs analysis (f64)",
+                    err)
+        assert err <= 1e-6
+        assert geometry.newton_schulz_residual(delta ** 2, steps) > tol
+        assert measured > tol
+
+
+def test_newton_schulz_float32_worst_case(certificate, frames):
+  """float32: the derived count reaches isometry error <= 1e-6 for the
+  worst-case step of each trust region, and agrees with eigh."""
+  retract = jax.jit(so.retract, static_argnames=("method", "max_step_norm"))
+  for shape, deltas in [((16, 4), (0.1, 0.5, 1.0)), ((8, 4), (1.0,))]:
+    w = frames(14, shape)
+    for delta in deltas:
+      xi = worst_tangent_step(w, delta)
+      out = retract(w, xi, method="newton_schulz", max_step_norm=delta)
+      err = float(so.isometry_error(out))
+      certificate("geometry: NS worst-case isometry (f32)", err)
+      assert err <= 1e-6
+      assert rel(out, retract(w, xi, method="eigh")) <= 1e-5
+
+
+@pytest.mark.parametrize("delta", [0.05, 0.5])
+def test_newton_schulz_non_tangent_steps(delta, x64, frames, normal):
+  """tangent=False: any xi with ||xi||_F = delta < 1, including the worst
+  cases +-delta W e1 e1^T (singular values 1 -+ delta), is retracted."""
+  w = frames(15, (8, 4))
+  e1 = jnp.zeros((4, 4), jnp.float64).at[0, 0].set(1.0)
+  rand = normal(16, w.shape)
+  for xi in (-delta * w @ e1, delta * w @ e1,
+             delta * rand / jnp.linalg.norm(rand)):
+    out = so.retract(w, xi, "newton_schulz", max_step_norm=delta,
+                     tangent=False)
+    assert float(so.isometry_error(out)) <= 1e-8 * math.sqrt(4)
+    assert rel(out, np_polar(w + xi)) <= 1e-8
+  with pytest.raises(ValueError, match="max_step_norm < 1"):
+    so.newton_schulz_steps(1.0, tangent=False)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_newton_schulz_steps_rejects_bad_radius(bad):
+  with pytest.raises(ValueError, match="max_step_norm"):
+    so.newton_schulz_steps(bad)
+
+
+# ---------------------------------------------------------------------------
+# Errors naming the shape
+
+
+BAD_SHAPES = [((5,), "rank >= 2"), ((), "rank >= 2"), ((3, 4), r"\(3, 4\)"),
+              ((2, 2, 5), r"\(2, 2, 5\)")]
+
+
+@pytest.mark.parametrize("shape,match", BAD_SHAPES)
+def test_bad_shapes_raise(shape, match):
+  x = jnp.ones(shape)
+  for fn in (lambda: so.project_tangent(x, x), lambda: so.polar(x),
+             lambda: so.retract(x, x), lambda: so.isometry_error(x),
+             lambda: so.random_frames(jax.random.key(0), shape)):
+    with pytest.raises(ValueError, match=match):
+      fn()
+
+
+def test_bad_method_raises(frames):
+  w = frames(17, (4, 2))
+  with pytest.raises(ValueError, match="svd"):
+    so.polar(w, method="svd")
+  with pytest.raises(ValueError, match="svd"):
+    so.retract(w, w, method="svd")
