@@ -1,0 +1,760 @@
+"""CIFAR-10 patch benchmark: Stiefel-Adam on the attention Q/K kernels
+against AdamW, with data scaling, baselines and ablations (paired seeds).
+
+    python -m benchmarks.cifar_patches            # the full protocol, resumable
+    python -m benchmarks.cifar_patches --quick    # synthetic images, < 1 minute
+
+Every arm trains the same `PatchViT` with the same AdamW on every parameter
+except the attention query/key kernels, whose optimizer is the arm's recipe
+(an `optax.chain` of the library's transforms). Seed s fixes the training
+subset, the non-Q/K initialisation and the batch order for every arm. Each
+arm's Q/K learning rate (and the Stiefel step cap) is chosen on a validation
+split carved from the training images; the test images are only evaluated.
+Each finished run is written at once to <out>/runs/; a rerun skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import time
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import stiefel_optax as so
+from benchmarks import cifar_data, stats
+from benchmarks.patch_vit import PatchViT, PatchViTConfig
+
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "cifar"
+RESULTS_MD = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
+SECTION = "## CIFAR-10 patch benchmark"
+
+
+# --------------------------------------------------------------------------
+# Q/K recipes: each arm's optimizer for the query/key frames, (..., d, r).
+
+
+def qk_adamw(lr, *, weight_decay, **_):
+  """The baseline: the same AdamW as the rest of the model."""
+  return optax.adamw(lr, weight_decay=weight_decay)
+
+
+def qk_stiefel(lr, *, cap=so.aliases.DEFAULT_MAX_STEP_NORM, eps=1e-8, **_):
+  """Stiefel-Adam: project, one scalar v per frame, lr, cap, retract."""
+  return so.stiefel_adam(lr, eps=eps, max_step_norm=cap)
+
+
+def qk_rsgd(lr, **_):
+  """Fixed-step Riemannian SGD: W+ = polar(W - lr P_W(G))."""
+  return so.riemannian_sgd(lr)
+
+
+def qk_frozen(lr=None, **_):
+  """Q/K kept at their orthonormal start."""
+  del lr
+  return optax.set_to_zero()
+
+
+def qk_no_projection(lr, *, cap=so.aliases.DEFAULT_MAX_STEP_NORM, eps=1e-8, **_):
+  """Ablation: no tangent projection of gradient or momentum; the polar
+  retraction (sized for non-tangent steps) still keeps W on the manifold."""
+  return optax.chain(
+      so.scale_by_frame_adam(eps=eps, transport_momentum=False),
+      optax.scale_by_learning_rate(lr),
+      so.clip_frame_norm(cap),
+      so.retract_polar(max_step_norm=1.0))
+
+
+def qk_per_coordinate(lr, *, cap=so.aliases.DEFAULT_MAX_STEP_NORM, eps=1e-8, **_):
+  """Ablation: Adam's per-coordinate second moment instead of one scalar
+  per frame (not scale-free per frame, not O(d)-equivariant); the step is
+  projected back to the tangent space before cap and retraction."""
+  return optax.chain(
+      so.project_to_tangent(),
+      optax.scale_by_adam(eps=eps),
+      so.project_to_tangent(),
+      optax.scale_by_learning_rate(lr),
+      so.clip_frame_norm(cap),
+      so.retract_polar(max_step_norm=cap))
+
+
+def qk_no_cap(lr, *, eps=1e-8, **_):
+  """Ablation: Stiefel-Adam without the trust-region cap."""
+  return so.stiefel_adam(lr, eps=eps, max_step_norm=None)
+
+
+class Arm(NamedTuple):
+  """One arm: the Q/K recipe, its start, frame layout and tuning grid.
+
+  grid: hyperparameter points {lr, cap, ...} tried on the validation split;
+  None inherits the chosen point of `tune_from` (ablations change one
+  ingredient at the tuned setting). fixed: hyperparameters of the recipe
+  that are not tuned (e.g. eps).
+  """
+  name: str
+  recipe: Callable[..., optax.GradientTransformation]
+  orthonormal: bool = True
+  per_head: bool = True
+  grid: Optional[tuple] = None
+  tune_from: Optional[str] = None
+  fixed: tuple = ()
+  group: str = "main"
+
+
+def _pts(*pairs):
+  return tuple({"lr": lr, "cap": cap} for lr, cap in pairs)
+
+
+def make_arms() -> dict:
+  """The registry of arms, in the order the sweep runs them."""
+  lrs = lambda *v: tuple({"lr": x} for x in v)
+  arms = [
+      Arm("adamw", qk_adamw, orthonormal=False,
+          grid=lrs(1e-3, 3e-3, 1e-2, 3e-2)),
+      Arm("stiefel", qk_stiefel, grid=_pts((0.01, 0.1), (0.03, 0.1), (0.1, 0.1),
+                                           (0.1, 0.3), (0.3, 0.3))),
+      Arm("rsgd", qk_rsgd, grid=lrs(0.1, 1.0, 10.0), group="baseline"),
+      Arm("frozen", qk_frozen, grid=({},), group="baseline"),
+      Arm("no_projection", qk_no_projection, tune_from="stiefel", group="ablation"),
+      Arm("per_coordinate_v", qk_per_coordinate, tune_from="stiefel", group="ablation"),
+      Arm("no_cap", qk_no_cap, tune_from="stiefel", group="ablation"),
+      Arm("whole_frame", qk_stiefel, per_head=False, tune_from="stiefel",
+          group="ablation"),
+  ]
+  for eps in (1e-3, 1e-2, 1e-1):
+    arms.append(Arm(f"eps_{eps:g}", qk_stiefel, tune_from="stiefel",
+                    fixed=(("eps", eps),), group="eps"))
+  return {a.name: a for a in arms}
+
+
+ARMS = make_arms()
+
+
+# --------------------------------------------------------------------------
+# Configuration and paired data streams.
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything a run's result depends on besides (arm, hp, seed, n)."""
+  model: PatchViTConfig = PatchViTConfig()
+  batch: int = 128
+  epochs: int = 6
+  weight_decay: float = 0.05
+  warmup_frac: float = 0.05
+  val_size: int = 1000
+  val_seed: int = 12345
+  tune_seed: int = 1000
+
+  def to_dict(self):
+    return dataclasses.asdict(self)
+
+
+def fingerprint(cfg: Config, source: str) -> str:
+  """A short hash of the configuration and data source: runs with another
+  fingerprint are not reused."""
+  blob = json.dumps({"cfg": cfg.to_dict(), "data": source}, sort_keys=True)
+  return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def validation_split(n_train: int, cfg: Config):
+  """(pool, val) indices: a fixed random val split of the training images."""
+  perm = np.random.default_rng(cfg.val_seed).permutation(n_train)
+  return np.sort(perm[cfg.val_size:]), np.sort(perm[:cfg.val_size])
+
+
+def seed_stream(seed: int, pool: np.ndarray, n: int, cfg: Config):
+  """The training subset (n of pool) and the per-epoch batch order for
+  `seed`: the same for every arm. Returns idx (epochs, steps, batch)."""
+  if n > len(pool):
+    raise ValueError(f"n = {n} exceeds the {len(pool)} training images.")
+  if n < cfg.batch:
+    raise ValueError(f"n = {n} is smaller than a batch ({cfg.batch}).")
+  rng = np.random.default_rng(seed)
+  subset = pool[rng.permutation(len(pool))[:n]]
+  steps = n // cfg.batch
+  order = [subset[rng.permutation(n)[:steps * cfg.batch]] for _ in range(cfg.epochs)]
+  return np.stack(order).reshape(cfg.epochs, steps, cfg.batch).astype(np.int32)
+
+
+# --------------------------------------------------------------------------
+# Model, optimizer and training.
+
+
+def init_params(model: PatchViT, arm: Arm, seed: int):
+  """The seed's standard init; Q/K replaced by their polar factor
+  (nearest orthonormal frames) for arms that start on the manifold."""
+  params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 32, 32, 3)))["params"]
+  if arm.orthonormal:
+    params = orthonormal_start(params, per_head=arm.per_head)
+  return params
+
+
+def orthonormal_start(params, *, per_head: bool, passes: int = 2):
+  """`so.orthonormalize` applied `passes` times. One eigh-based polar of a
+  square (d, d) Gaussian kernel (per_head=False) squares its condition
+  number and leaves ||W^T W - I|| ~ 1e-3 in float32; a second polar of the
+  nearly orthonormal result is exact to rounding (and changes a per-head
+  frame only at rounding level)."""
+  for _ in range(passes):
+    params = so.orthonormalize(params, per_head=per_head)
+  return params
+
+
+def schedule(peak: float, total_steps: int, cfg: Config):
+  warmup = max(1, int(cfg.warmup_frac * total_steps))
+  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup,
+                                            max(total_steps, warmup + 1))
+
+
+def make_tx(arm: Arm, hp: dict, base_lr: float, total_steps: int, cfg: Config):
+  """AdamW(base_lr) on every parameter except Q/K, the arm's recipe there."""
+  kw = dict(arm.fixed)
+  kw.update({k: v for k, v in hp.items() if k != "lr"})
+  qk_lr = schedule(hp["lr"], total_steps, cfg) if "lr" in hp else None
+  rest_lr = schedule(base_lr, total_steps, cfg)
+  return so.stiefel_attention(
+      rest_lr, per_head=arm.per_head,
+      stiefel_tx=arm.recipe(qk_lr, weight_decay=cfg.weight_decay, **kw),
+      euclidean_tx=optax.adamw(rest_lr, weight_decay=cfg.weight_decay))
+
+
+def normalize(x_uint8, mean, std):
+  return (x_uint8.astype(jnp.float32) / 255.0 - mean) / std
+
+
+def make_epoch_fn(model: PatchViT, tx, mean, std):
+  """jit(one epoch): lax.scan of AdamW/Stiefel steps over idx (steps, batch)."""
+
+  def loss_fn(params, xb, yb):
+    logits = model.apply({"params": params}, normalize(xb, mean, std))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+  @jax.jit
+  def epoch(params, opt_state, x, y, idx):
+    def step(carry, i):
+      p, s = carry
+      loss, g = jax.value_and_grad(loss_fn)(p, x[i], y[i])
+      u, s = tx.update(g, s, p)
+      return (optax.apply_updates(p, u), s), loss
+    (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), idx)
+    return params, opt_state, losses.mean()
+
+  return epoch
+
+
+def make_eval_fn(model: PatchViT, mean, std):
+  @jax.jit
+  def accuracy(params, x, y):
+    logits = model.apply({"params": params}, normalize(x, mean, std))
+    return jnp.mean(jnp.argmax(logits, -1) == y)
+  return accuracy
+
+
+class Task(NamedTuple):
+  kind: str          # "tune" or "run"
+  arm: str
+  seed: int
+  n: int
+  hp: Optional[dict] = None
+
+  @property
+  def name(self) -> str:
+    if self.kind == "tune":
+      return f"tune__{self.arm}__{hp_key(self.hp)}"
+    return f"{self.arm}__n{self.n}__s{self.seed}"
+
+
+def hp_key(hp: dict) -> str:
+  return "_".join(f"{k}{v:g}" for k, v in sorted(hp.items())) or "none"
+
+
+class Bench:
+  """Data on device, jitted functions cached per (arm, hp, n), results."""
+
+  def __init__(self, data: cifar_data.Dataset, cfg: Config, out: pathlib.Path,
+               arms: Optional[dict] = None):
+    self.cfg, self.out, self.data = cfg, pathlib.Path(out), data
+    self.arms = dict(arms or ARMS)
+    self.fp = fingerprint(cfg, data.source)
+    self.model = PatchViT(cfg.model)
+    mean, std = cifar_data.channel_stats(data.x_train)
+    self.mean, self.std = jnp.asarray(mean), jnp.asarray(std)
+    self.x = jnp.asarray(data.x_train)
+    self.y = jnp.asarray(data.y_train.astype(np.int32))
+    self.x_test = jnp.asarray(data.x_test)
+    self.y_test = jnp.asarray(data.y_test.astype(np.int32))
+    self.pool, self.val = validation_split(len(data.x_train), cfg)
+    self.all_train = np.arange(len(data.x_train))
+    self.accuracy = make_eval_fn(self.model, self.mean, self.std)
+    self._epoch_fns = {}
+    (self.out / "runs").mkdir(parents=True, exist_ok=True)
+
+  # results on disk --------------------------------------------------------
+  def path(self, task: Task) -> pathlib.Path:
+    return self.out / "runs" / f"{task.name}.json"
+
+  def load(self, task: Task) -> Optional[dict]:
+    p = self.path(task)
+    if not p.is_file():
+      return None
+    rec = json.loads(p.read_text())
+    if rec.get("fingerprint") != self.fp:
+      return None
+    if task.arm != "adamw":    # stale if AdamW's chosen lr has changed since
+      try:
+        if rec.get("base_lr") != self.base_lr():
+          return None
+      except RuntimeError:
+        return None
+    return rec
+
+  def save(self, task: Task, rec: dict) -> None:
+    tmp = self.path(task).with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, indent=1))
+    os.replace(tmp, self.path(task))
+
+  # tuning -----------------------------------------------------------------
+  def chosen(self, arm_name: str) -> dict:
+    """The arm's chosen hyperparameters: best final validation accuracy
+    over its grid (ties: first in grid order), or inherited."""
+    arm = self.arms[arm_name]
+    if arm.grid is None:
+      return self.chosen(arm.tune_from)
+    recs = [self.load(t) for t in self.tune_tasks(arm_name)]
+    if any(r is None for r in recs):
+      raise RuntimeError(f"{arm_name}: tuning runs unfinished.")
+    best = max(range(len(recs)), key=lambda i: (recs[i]["val_acc"], -i))
+    return dict(recs[best]["hp"])
+
+  def base_lr(self) -> float:
+    return self.chosen("adamw")["lr"]
+
+  def tune_tasks(self, arm_name: str) -> list:
+    arm = self.arms[arm_name]
+    if arm.grid is None:
+      return []
+    return [Task("tune", arm_name, self.cfg.tune_seed, len(self.pool), dict(hp))
+            for hp in arm.grid]
+
+  # one run ----------------------------------------------------------------
+  def epoch_fn(self, arm: Arm, hp: dict, base_lr: float, n: int):
+    key = (arm.name, hp_key(hp), base_lr, n)
+    if key not in self._epoch_fns:
+      steps = (n // self.cfg.batch) * self.cfg.epochs
+      tx = make_tx(arm, hp, base_lr, steps, self.cfg)
+      self._epoch_fns[key] = (tx, make_epoch_fn(self.model, tx, self.mean, self.std))
+    return self._epoch_fns[key]
+
+  def execute(self, task: Task) -> dict:
+    """Trains one (arm, seed, n) or one tuning point and writes its JSON."""
+    done = self.load(task)
+    if done is not None:
+      return done
+    arm, cfg = self.arms[task.arm], self.cfg
+    tuning = task.kind == "tune"
+    hp = dict(task.hp) if tuning else self.chosen(task.arm)
+    base_lr = hp["lr"] if task.arm == "adamw" else self.base_lr()
+    pool = self.pool if tuning else self.all_train
+    ex, ey = ((self.x[self.val], self.y[self.val]) if tuning
+              else (self.x_test, self.y_test))
+    t0 = time.time()
+    idx = seed_stream(task.seed, pool, task.n, cfg)
+    tx, epoch = self.epoch_fn(arm, hp, base_lr, task.n)
+    params = init_params(self.model, arm, task.seed)
+    start = params
+    opt_state = tx.init(params)
+    curve, losses = [], []
+    for e in range(cfg.epochs):
+      params, opt_state, loss = epoch(params, opt_state, self.x, self.y,
+                                      jnp.asarray(idx[e]))
+      losses.append(float(loss))
+      curve.append(float(self.accuracy(params, ex, ey)))
+    iso = float(so.max_isometry_error(params, per_head=arm.per_head))
+    move = so.frame_movement(start, params, per_head=arm.per_head)
+    rec = {
+        "kind": task.kind, "arm": task.arm, "seed": task.seed, "n": task.n,
+        "hp": hp, "base_lr": base_lr, "fixed": dict(arm.fixed),
+        "per_head": arm.per_head, "orthonormal_start": arm.orthonormal,
+        ("val_acc" if tuning else "test_acc"): curve[-1],
+        ("val_curve" if tuning else "test_curve"): curve,
+        "train_loss": losses, "qk_isometry_error": iso,
+        "qk_movement": float(sum(float(jnp.sum(m)) for m in move.values())),
+        "wall_s": time.time() - t0, "data": self.data.source,
+        "fingerprint": self.fp, "config": cfg.to_dict(),
+        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "machine": machine(),
+    }
+    self.save(task, rec)
+    return rec
+
+
+def machine() -> str:
+  return (f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs,"
+          f" jax {jax.__version__} {jax.default_backend()}")
+
+
+# --------------------------------------------------------------------------
+# The plan: most important results first.
+
+
+def plan(bench: Bench, sizes: Sequence[int], main_seeds: int,
+         other_seeds: int, arms: Sequence[str]) -> list:
+  """Tuning, then adamw vs stiefel at each n (largest first, seeds
+  interleaved), then the baselines, ablations and eps sweep at the largest n."""
+  unknown = sorted(set(arms) - set(bench.arms))
+  if unknown:
+    raise ValueError(f"unknown arms {unknown}; known: {list(bench.arms)}.")
+  arms = [a for a in bench.arms if a in arms]
+  main = [a for a in ("adamw", "stiefel") if a in arms]
+  tasks = []
+  for a in main:
+    tasks += bench.tune_tasks(a)
+  for n in sorted(sizes, reverse=True):
+    for s in range(main_seeds):
+      tasks += [Task("run", a, s, n) for a in main]
+  for group in ("baseline", "ablation", "eps"):
+    for a in (a for a in arms if bench.arms[a].group == group):
+      tasks += bench.tune_tasks(a)
+      tasks += [Task("run", a, s, max(sizes)) for s in range(other_seeds)]
+  return tasks
+
+
+# --------------------------------------------------------------------------
+# Statistics, tables, plots.
+
+
+def collect(out: pathlib.Path, fp: Optional[str] = None) -> list:
+  recs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+  return [r for r in recs if fp is None or r.get("fingerprint") == fp]
+
+
+def accuracies(recs, arm: str, n: int) -> dict:
+  return {r["seed"]: 100.0 * r["test_acc"] for r in recs
+          if r["kind"] == "run" and r["arm"] == arm and r["n"] == n}
+
+
+def compare(recs, treatment: str, baseline: str, n: int) -> Optional[dict]:
+  """paired_comparison (pp) over the seeds both arms finished at n."""
+  a, b = accuracies(recs, treatment, n), accuracies(recs, baseline, n)
+  seeds = sorted(set(a) & set(b))
+  if not seeds:
+    return None
+  out = stats.paired_comparison([a[s] for s in seeds], [b[s] for s in seeds])
+  out.update(treatment=treatment, baseline=baseline, size=n, seeds=seeds,
+             mean_treatment=float(np.mean([a[s] for s in seeds])),
+             mean_baseline=float(np.mean([b[s] for s in seeds])))
+  return out
+
+
+def comparisons(recs) -> list:
+  """stiefel vs adamw at every n; each other arm vs adamw and vs stiefel
+  at every n where it ran."""
+  sizes = sorted({r["n"] for r in recs if r["kind"] == "run"})
+  rows = []
+  for n in sizes:
+    for arm in ARMS:
+      if arm == "adamw":
+        continue
+      for base in ("adamw", "stiefel"):
+        if base != arm and (row := compare(recs, arm, base, n)) is not None:
+          rows.append(row)
+  return rows
+
+
+def chosen_table(recs) -> dict:
+  """{arm: {hp: val_acc}} from the tuning runs."""
+  out = {}
+  for r in recs:
+    if r["kind"] == "tune":
+      out.setdefault(r["arm"], {})[hp_key(r["hp"])] = r["val_acc"]
+  return out
+
+
+def fmt(x, nd=2):
+  return "nan" if x is None or not np.isfinite(x) else f"{x:+.{nd}f}"
+
+
+def markdown_table(rows) -> str:
+  lines = ["| treatment | baseline | n | pairs | treatment acc % | baseline acc %"
+           " | gain pp [95% CI] | paired t | p | wins |",
+           "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+  for r in rows:
+    lines.append(
+        f"| {r['treatment']} | {r['baseline']} | {r['size']} | {r['n']} |"
+        f" {r['mean_treatment']:.2f} | {r['mean_baseline']:.2f} |"
+        f" {fmt(r['mean_diff'])} [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}] |"
+        f" {r['t']:.2f} | {r['p']:.2g} | {r['wins']}/{r['n']} |")
+  return "\n".join(lines)
+
+
+def plot_gain_vs_n(rows, path: pathlib.Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  sel = sorted((r for r in rows if r["treatment"] == "stiefel"
+                and r["baseline"] == "adamw"), key=lambda r: r["size"])
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  if sel:
+    ns = [r["size"] for r in sel]
+    g = np.array([r["mean_diff"] for r in sel])
+    lo = g - np.array([r["ci_low"] for r in sel])
+    hi = np.array([r["ci_high"] for r in sel]) - g
+    ax.errorbar(ns, g, yerr=[lo, hi], marker="o", capsize=4,
+                label="stiefel - adamw (95% CI)")
+    ax.set_xscale("log")
+    ax.legend(loc="best")
+  ax.axhline(0, color="gray", lw=0.8)
+  ax.set_xlabel("training images n")
+  ax.set_ylabel("test accuracy gain (pp)")
+  ax.set_title("Stiefel-Adam on Q/K vs AdamW, paired seeds")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_curves(recs, n: int, path: pathlib.Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  for arm in ARMS:
+    cs = [r["test_curve"] for r in recs
+          if r["kind"] == "run" and r["arm"] == arm and r["n"] == n]
+    if not cs:
+      continue
+    c = 100.0 * np.array(cs)
+    ep = np.arange(1, c.shape[1] + 1)
+    m, s = c.mean(0), c.std(0)
+    ax.plot(ep, m, label=f"{arm} ({len(cs)})")
+    ax.fill_between(ep, m - s, m + s, alpha=0.15)
+  ax.set_xlabel("epoch")
+  ax.set_ylabel("test accuracy % (mean ± sd over seeds)")
+  ax.set_title(f"CIFAR-10 patch transformer, n = {n}")
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def report(out: pathlib.Path, fp: Optional[str] = None) -> dict:
+  """Writes summary.json, table.md and the PNGs from the finished runs."""
+  recs = collect(out, fp)
+  rows = comparisons(recs)
+  runs = [r for r in recs if r["kind"] == "run"]
+  summary = {
+      "comparisons": rows, "tuning": chosen_table(recs),
+      "chosen": {r["arm"]: r["hp"] for r in runs},
+      "base_lr": next((r["base_lr"] for r in runs if r["arm"] != "adamw"), None),
+      "runs": len(runs), "tuning_runs": len(recs) - len(runs),
+      "run_wall_s": float(sum(r["wall_s"] for r in runs)),
+      "tuning_wall_s": float(sum(r["wall_s"] for r in recs if r["kind"] == "tune")),
+      "data": sorted({r["data"] for r in recs}),
+      "config": recs[0]["config"] if recs else None,
+      "machine": sorted({r["machine"] for r in recs}),
+  }
+  (out / "summary.json").write_text(json.dumps(summary, indent=1))
+  (out / "table.md").write_text(markdown_table(rows) + "\n")
+  if runs:
+    plot_gain_vs_n(rows, out / "gain_vs_n.png")
+    plot_curves(recs, max(r["n"] for r in runs), out / "curves.png")
+  return summary
+
+
+# --------------------------------------------------------------------------
+# benchmarks/RESULTS.md: our numbers beside the paper's.
+
+# (label, treatment, baseline, n or None for the largest, paper's number)
+PAPER_ROWS = (
+    ("Stiefel-Adam - AdamW, largest n", "stiefel", "adamw", None,
+     "+6.79 pp at n = 10k (12/12, t = 38.33); later version +8.98 pp (t = 60.6)"),
+    ("Stiefel-Adam - AdamW, n = 4,000", "stiefel", "adamw", 4000,
+     "(between +1.9 at 1k and +6.79 at 10k)"),
+    ("Stiefel-Adam - AdamW, n = 1,000", "stiefel", "adamw", 1000, "+1.9 pp"),
+    ("Stiefel-Adam - AdamW, n = 50,000", "stiefel", "adamw", 50000,
+     "+6.7 pp"),
+    ("RSGD - AdamW", "rsgd", "adamw", None, "+1.97 pp"),
+    ("frozen orthonormal Q/K - AdamW", "frozen", "adamw", None, "+1.69 pp"),
+    ("RSGD - frozen", "rsgd", "frozen", None, "+0.28 pp (freezing costs 0.28)"),
+    ("Stiefel - per-coordinate v (scale-free step)", "stiefel",
+     "per_coordinate_v", None, "+4.63 pp"),
+    ("Stiefel - no projection", "stiefel", "no_projection", None,
+     "nothing measurable"),
+    ("Stiefel - no trust-region cap", "stiefel", "no_cap", None, "(not reported)"),
+    ("Stiefel per head - one frame per projection", "stiefel", "whole_frame",
+     None, "(equivariance: nothing measurable)"),
+    ("Stiefel (eps 1e-8) - eps 1e-3", "stiefel", "eps_0.001", None, "(sweep)"),
+    ("Stiefel (eps 1e-8) - eps 1e-2", "stiefel", "eps_0.01", None, "(sweep)"),
+    ("Stiefel (eps 1e-8) - eps 0.1", "stiefel", "eps_0.1", None,
+     "+2.6 pp (p < 0.001)"),
+)
+
+
+def _ours(rows, treatment, baseline, n) -> str:
+  sel = [r for r in rows if r["treatment"] == treatment
+         and r["baseline"] == baseline and (n is None or r["size"] == n)]
+  if not sel:
+    return "not run"
+  r = max(sel, key=lambda r: r["size"])
+  return (f"{fmt(r['mean_diff'])} pp [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]"
+          f" at n = {r['size']}, t = {r['t']:.2f}, p = {r['p']:.2g},"
+          f" wins {r['wins']}/{r['n']}")
+
+
+def paper_table(rows) -> str:
+  lines = ["| comparison | paper | ours (mean gain, 95% CI, paired t, wins) |",
+           "|---|---|---|"]
+  for label, t, b, n, paper in PAPER_ROWS:
+    lines.append(f"| {label} | {paper} | {_ours(rows, t, b, n)} |")
+  return "\n".join(lines)
+
+
+def section_text(summary: dict, out: pathlib.Path, notes: str = "") -> str:
+  cfg = summary["config"] or {}
+  rel = os.path.relpath(out, RESULTS_MD.parent)
+  hp = "\n".join(f"- `{a}`: {json.dumps(h)}" for a, h in
+                 sorted(summary["chosen"].items()))
+  grid = "\n".join(f"- `{a}`: " + ", ".join(f"{k} -> {100 * v:.2f}%"
+                                            for k, v in g.items())
+                   for a, g in summary["tuning"].items())
+  return f"""{SECTION}
+
+{notes.strip()}
+
+Data: {", ".join(summary["data"])}. Model and training: `{json.dumps(cfg)}`.
+Machine: {"; ".join(summary["machine"])}. Finished runs: {summary["runs"]}
+({summary["run_wall_s"] / 60:.1f} min of run time) plus {summary["tuning_runs"]}
+tuning runs ({summary["tuning_wall_s"] / 60:.1f} min).
+
+### Ours beside the paper
+
+{paper_table(summary["comparisons"])}
+
+### All paired comparisons (test accuracy, pp)
+
+{markdown_table(summary["comparisons"])}
+
+Validation accuracy of each tuning point (seed {cfg.get("tune_seed")}, trained
+on the training images minus the {cfg.get("val_size")} validation images):
+
+{grid}
+
+Chosen (the AdamW arm's learning rate is also every arm's learning rate for
+the non-Q/K parameters; base lr {summary["base_lr"]}):
+
+{hp}
+
+Plots: `{rel}/gain_vs_n.png` (gain against n with 95% intervals),
+`{rel}/curves.png` (test accuracy per epoch per arm at the largest n).
+Raw runs: `{rel}/runs/*.json`; summary: `{rel}/summary.json`.
+"""
+
+
+def replace_section(text: str, heading: str, body: str) -> str:
+  """Replaces the '## ' section starting at `heading` (up to the next '## '
+  heading) by body, or appends body; other sections are left untouched."""
+  lines = text.splitlines(keepends=True)
+  start = next((i for i, l in enumerate(lines) if l.strip() == heading), None)
+  body = body.rstrip("\n") + "\n"
+  if start is None:
+    sep = "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
+    return text + sep + body
+  end = next((i for i in range(start + 1, len(lines))
+              if lines[i].startswith("## ")), len(lines))
+  tail = "".join(lines[end:])
+  return "".join(lines[:start]) + body + ("\n" + tail if tail else "")
+
+
+def write_section(path: pathlib.Path, summary: dict, out: pathlib.Path) -> None:
+  path = pathlib.Path(path)
+  notes_file = pathlib.Path(out) / "notes.md"
+  notes = notes_file.read_text() if notes_file.is_file() else ""
+  text = path.read_text() if path.is_file() else "# Benchmark results\n\n"
+  path.write_text(replace_section(text, SECTION, section_text(summary, out, notes)))
+
+
+# --------------------------------------------------------------------------
+# Command line.
+
+
+def quick_config() -> Config:
+  return Config(model=PatchViTConfig(dim=16, heads=2, depth=1, mlp_ratio=2),
+                batch=32, epochs=2, val_size=64)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true",
+                 help="synthetic images, tiny model, two arms (< 1 minute)")
+  p.add_argument("--data-dir", default=None,
+                 help=f"folder with {cifar_data.FOLDER}/ (default ${cifar_data.ENV_VAR},"
+                      " else the shipped subset)")
+  p.add_argument("--download", action="store_true",
+                 help="download the official tarball into --data-dir if missing")
+  p.add_argument("--out", type=pathlib.Path, default=None)
+  p.add_argument("--sizes", type=int, nargs="*", default=None,
+                 help="training-set sizes n (default 1000 4000 all)")
+  p.add_argument("--main-seeds", type=int, default=12)
+  p.add_argument("--other-seeds", type=int, default=6)
+  p.add_argument("--arms", nargs="*", default=None, help=f"subset of {list(ARMS)}")
+  p.add_argument("--epochs", type=int, default=None)
+  p.add_argument("--report-only", action="store_true")
+  p.add_argument("--results-md", type=pathlib.Path, default=None,
+                 help="also rewrite the CIFAR section of this RESULTS.md")
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  if args.quick:
+    cfg = quick_config()
+    data = cifar_data.synthetic(448, cfg.val_size)
+    sizes = args.sizes or [len(data.x_train) - cfg.val_size]
+    arms = args.arms or ["adamw", "stiefel"]
+    main_seeds, other_seeds = min(args.main_seeds, 2), min(args.other_seeds, 2)
+    out = args.out or pathlib.Path("/tmp/cifar_patches_quick")
+    registry = {k: v._replace(grid=v.grid[:1] if v.grid else v.grid)
+                for k, v in ARMS.items()}
+  else:
+    cfg = Config()
+    data = cifar_data.load_cifar10(args.data_dir, download_missing=args.download)
+    sizes = args.sizes or [1000, 4000, len(data.x_train)]
+    arms = args.arms or list(ARMS)
+    main_seeds, other_seeds = args.main_seeds, args.other_seeds
+    out = args.out or DEFAULT_OUT
+    registry = ARMS
+  if args.epochs:
+    cfg = dataclasses.replace(cfg, epochs=args.epochs)
+  bench = Bench(data, cfg, out, registry)
+  if not args.report_only:
+    tasks = plan(bench, sizes, main_seeds, other_seeds, arms)
+    todo = [t for t in tasks if bench.load(t) is None]
+    print(f"data {data.source}; {len(tasks)} tasks, {len(todo)} to run;"
+          f" fingerprint {bench.fp}; out {out}", flush=True)
+    from tqdm import tqdm
+    t0 = time.time()
+    for task in tqdm(todo, desc="cifar", mininterval=5):
+      rec = bench.execute(task)
+      acc = rec.get("test_acc", rec.get("val_acc"))
+      tqdm.write(f"{task.name}: acc {100 * acc:.2f}% in {rec['wall_s']:.1f}s")
+      if task.kind == "run":
+        report(out, bench.fp)
+    print(f"sweep wall time {time.time() - t0:.0f}s", flush=True)
+  summary = report(out, bench.fp)
+  if args.results_md:
+    write_section(args.results_md, summary, out)
+  return summary
+
+
+if __name__ == "__main__":
+  main()
