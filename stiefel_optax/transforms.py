@@ -117,9 +117,14 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   frame, u is invariant to any rescaling of the gradient when eps = 0, and
   the step commutes with W -> QW for Q in O(d).
 
-  A frame whose gradient holds a NaN or Inf keeps its moments and gets a
-  zero step, so one bad frame never corrupts the others or the state.
-  With v = 0 (a zero gradient so far) the step is zero, never NaN.
+  Non-finite gradients: the library skips the frame. A frame whose gradient
+  holds a NaN or Inf keeps its moments and gets a zero step (the count still
+  advances), so one bad frame never corrupts the others or the state. The
+  Euclidean AdamW group of `stiefel_attention` does not skip (optax's AdamW
+  lets the NaN into its leaf); to skip the whole step, wrap the whole
+  optimizer in `optax.apply_if_finite(tx, max_consecutive_errors)`.
+  With v = 0 (a zero gradient so far) the step is zero, never NaN, even
+  with eps = 0.
 
   Args:
     b1, b2, eps: as in `optax.scale_by_adam`.
@@ -140,11 +145,13 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   def update_fn(updates, state, params=None):
     _require_params(params, "scale_by_frame_adam")
     count = optax.safe_increment(state.count)
-    t = count.astype(jnp.float32)
-    bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
 
     def leaf(g_in, m, v, w):
       cdtype = geometry.compute_dtype(w.dtype)
+      # Bias corrections in the frame's compute dtype (float64 frames get
+      # float64 corrections, not float32 ones).
+      t = count.astype(cdtype)
+      bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
       g, m_c, w = g_in.astype(cdtype), m.astype(cdtype), w.astype(cdtype)
       finite = jnp.all(jnp.isfinite(g), axis=(-2, -1))
       g = jnp.where(finite[..., None, None], g, 0.0)
