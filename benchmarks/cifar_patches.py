@@ -67,12 +67,13 @@ def qk_frozen(lr=None, **_):
 
 def qk_no_projection(lr, *, cap=so.aliases.DEFAULT_MAX_STEP_NORM, eps=1e-8, **_):
   """Ablation: no tangent projection of gradient or momentum; the polar
-  retraction (sized for non-tangent steps) still keeps W on the manifold."""
+  retraction (its Newton–Schulz sized for non-tangent steps) still keeps W
+  on the manifold."""
   return optax.chain(
       so.scale_by_frame_adam(eps=eps, transport_momentum=False),
       optax.scale_by_learning_rate(lr),
       so.clip_frame_norm(cap),
-      so.retract_polar(max_step_norm=1.0))
+      so.retract_polar(max_step_norm=cap, tangent=False))
 
 
 def qk_per_coordinate(lr, *, cap=so.aliases.DEFAULT_MAX_STEP_NORM, eps=1e-8, **_):
@@ -122,7 +123,7 @@ def make_arms() -> dict:
       Arm("adamw", qk_adamw, orthonormal=False,
           grid=lrs(1e-3, 3e-3, 1e-2, 3e-2)),
       Arm("stiefel", qk_stiefel, grid=_pts((0.01, 0.1), (0.03, 0.1), (0.1, 0.1),
-                                           (0.1, 0.3), (0.3, 0.3))),
+                                           (0.1, 0.3), (0.3, 0.3), (1.0, 1.0))),
       Arm("rsgd", qk_rsgd, grid=lrs(0.1, 1.0, 10.0), group="baseline"),
       Arm("frozen", qk_frozen, grid=({},), group="baseline"),
       Arm("no_projection", qk_no_projection, tune_from="stiefel", group="ablation"),
@@ -283,9 +284,12 @@ class Bench:
   """Data on device, jitted functions cached per (arm, hp, n), results."""
 
   def __init__(self, data: cifar_data.Dataset, cfg: Config, out: pathlib.Path,
-               arms: Optional[dict] = None):
+               arms: Optional[dict] = None, inherit: Optional[dict] = None,
+               inherit_from: Optional[str] = None):
     self.cfg, self.out, self.data = cfg, pathlib.Path(out), data
     self.arms = dict(arms or ARMS)
+    # {arm: hp} chosen elsewhere (--hp-from): those arms are not re-tuned.
+    self.inherit, self.inherit_from = dict(inherit or {}), inherit_from
     self.fp = fingerprint(cfg, data.source)
     self.model = PatchViT(cfg.model)
     mean, std = cifar_data.channel_stats(data.x_train)
@@ -328,6 +332,8 @@ class Bench:
   def chosen(self, arm_name: str) -> dict:
     """The arm's chosen hyperparameters: best final validation accuracy
     over its grid (ties: first in grid order), or inherited."""
+    if arm_name in self.inherit:
+      return dict(self.inherit[arm_name])
     arm = self.arms[arm_name]
     if arm.grid is None:
       return self.chosen(arm.tune_from)
@@ -342,7 +348,7 @@ class Bench:
 
   def tune_tasks(self, arm_name: str) -> list:
     arm = self.arms[arm_name]
-    if arm.grid is None:
+    if arm.grid is None or arm_name in self.inherit:
       return []
     return [Task("tune", arm_name, self.cfg.tune_seed, len(self.pool), dict(hp))
             for hp in arm.grid]
@@ -385,6 +391,8 @@ class Bench:
     rec = {
         "kind": task.kind, "arm": task.arm, "seed": task.seed, "n": task.n,
         "hp": hp, "base_lr": base_lr, "fixed": dict(arm.fixed),
+        "hp_from": (self.inherit_from if task.arm in self.inherit and not tuning
+                    else None),
         "per_head": arm.per_head, "orthonormal_start": arm.orthonormal,
         ("val_acc" if tuning else "test_acc"): curve[-1],
         ("val_curve" if tuning else "test_curve"): curve,
@@ -708,6 +716,12 @@ def parse_args(argv=None):
   p.add_argument("--other-seeds", type=int, default=6)
   p.add_argument("--arms", nargs="*", default=None, help=f"subset of {list(ARMS)}")
   p.add_argument("--epochs", type=int, default=None)
+  p.add_argument("--dim", type=int, default=None, help="model width d")
+  p.add_argument("--heads", type=int, default=None)
+  p.add_argument("--depth", type=int, default=None)
+  p.add_argument("--hp-from", type=pathlib.Path, default=None,
+                 help="reuse the hyperparameters chosen in this results folder"
+                      " (its summary.json) instead of tuning those arms")
   p.add_argument("--report-only", action="store_true")
   p.add_argument("--results-md", type=pathlib.Path, default=None,
                  help="also rewrite the CIFAR section of this RESULTS.md")
@@ -735,7 +749,15 @@ def main(argv=None) -> dict:
     registry = ARMS
   if args.epochs:
     cfg = dataclasses.replace(cfg, epochs=args.epochs)
-  bench = Bench(data, cfg, out, registry)
+  model = {k: v for k, v in (("dim", args.dim), ("heads", args.heads),
+                             ("depth", args.depth)) if v}
+  if model:
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
+  inherit = None
+  if args.hp_from:
+    inherit = json.loads((args.hp_from / "summary.json").read_text())["chosen"]
+  bench = Bench(data, cfg, out, registry, inherit,
+                str(args.hp_from) if args.hp_from else None)
   if not args.report_only:
     tasks = plan(bench, sizes, main_seeds, other_seeds, arms)
     todo = [t for t in tasks if bench.load(t) is None]
