@@ -97,6 +97,12 @@ def check_labels(params, labels):
 
 
 def _resolve_labels(params, labels, patterns):
+  if params is None or not jax.tree.leaves(params):
+    raise ValueError(
+        f"params is {'None' if params is None else 'a tree with no arrays'}:"
+        " the Stiefel frames are part of the step, so init and update need"
+        " the parameter tree (tx.init(params), tx.update(grads, state,"
+        " params)).")
   if labels is None:
     return qk_labels(params, patterns)
   if callable(labels):
@@ -187,6 +193,15 @@ def check_frame_view(params, labels, layout) -> None:
           f" {EUCLIDEAN!r} or change the layout.")
 
 
+def _euclidean_eps(eps):
+  """AdamW's eps: `eps`, or optax's default 1e-8 where eps = 0 (AdamW would
+  divide 0 / 0 on coordinates with zero gradient). Works for an eps that
+  `optax.inject_hyperparams` passes as an array."""
+  if isinstance(eps, (int, float)):
+    return eps if eps > 0 else 1e-8
+  return jnp.where(eps > 0, eps, 1e-8)
+
+
 def stiefel_attention(
     learning_rate: optax.ScalarOrSchedule, *,
     stiefel_learning_rate: Optional[optax.ScalarOrSchedule] = None,
@@ -211,7 +226,11 @@ def stiefel_attention(
     stiefel_learning_rate: the Stiefel group's (default: learning_rate).
     weight_decay: AdamW's decoupled weight decay (the frames get none; it
       would have zero Riemannian gradient anyway).
-    b1, b2, eps: shared by both groups.
+    b1, b2, eps: shared by both groups, except that eps = 0 (the
+      scale-free Stiefel step) gives AdamW optax's default 1e-8: AdamW
+      divides per coordinate, and a coordinate whose gradient has been zero
+      (an unused embedding row) would be 0 / 0 = NaN. Pass `euclidean_tx`
+      for any other AdamW eps.
     max_step_norm: trust-region radius per frame; None disables it.
     per_head: one frame per head (default) or one per whole projection.
     num_heads, head_dim: how 2-D fused (d, heads * head_dim) kernels split.
@@ -223,6 +242,12 @@ def stiefel_attention(
     retraction: "newton_schulz" (default) or "eigh".
     mu_dtype: first-moment dtype of both groups.
     stiefel_tx, euclidean_tx: replace either group's transform (ablations).
+
+  Non-finite gradients: the library skips the frame (a Stiefel frame whose
+  gradient holds a NaN or Inf gets a zero step and keeps its moments; see
+  `scale_by_frame_adam`); the Euclidean AdamW group does not, so a NaN
+  there reaches its leaf. To skip the whole step, wrap the whole optimizer:
+  `optax.apply_if_finite(stiefel_attention(...), max_consecutive_errors)`.
   """
   layout_kwargs = dict(per_head=per_head, num_heads=num_heads,
                        head_dim=head_dim, layout=layout)
@@ -238,7 +263,8 @@ def stiefel_attention(
       stiefel_learning_rate if stiefel_learning_rate is not None
       else learning_rate, b1, b2, eps, max_step_norm=max_step_norm,
       retraction=retraction, mu_dtype=mu_dtype)
-  rest = euclidean_tx or optax.adamw(learning_rate, b1, b2, eps,
+  rest = euclidean_tx or optax.adamw(learning_rate, b1, b2,
+                                     _euclidean_eps(eps),
                                      weight_decay=weight_decay,
                                      mu_dtype=mu_dtype)
   return optax.partition(

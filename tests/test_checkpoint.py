@@ -17,6 +17,7 @@ back the exact state structure.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -99,6 +100,21 @@ def restore(path, tx, params_like):
     return ckpt.restore(path, abstract)
 
 
+def library_hash():
+  """Hash of the stiefel_optax sources this process imported (a resume can
+  only be bit-identical if both processes run the same code)."""
+  h = hashlib.sha256()
+  root = os.path.dirname(so.__file__)
+  for name in sorted(os.listdir(root)):
+    if name.endswith(".py"):
+      with open(os.path.join(root, name), "rb") as f:
+        h.update(name.encode() + f.read())
+  return h.hexdigest()
+
+
+LIBRARY_HASH = library_hash()
+
+
 def flat(tree):
   """[(path, leaf)] of every array leaf (MaskedNode/EmptyState hold none)."""
   return [(jax.tree_util.keystr(p), np.asarray(x))
@@ -123,6 +139,7 @@ def resume_main(ckpt_dir, out, seed=0):
                                 TOTAL)
   leaves = flat({"params": params, "opt_state": state})
   np.savez(out, losses=losses, start=int(restored["step"]),
+           library=LIBRARY_HASH,
            paths=np.array([p for p, _ in leaves]),
            **{f"leaf{i}": x for i, (_, x) in enumerate(leaves)})
 
@@ -188,6 +205,9 @@ def test_resume_in_fresh_process_is_bit_identical(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
 
   res = np.load(out)
+  assert str(res["library"]) == LIBRARY_HASH, (
+      "stiefel_optax's sources changed between this process and the resumed"
+      " one; rerun")
   assert int(res["start"]) == SAVE_AT
   np.testing.assert_array_equal(res["losses"], full_losses[SAVE_AT:])
   want = flat({"params": full_params, "opt_state": full_state})

@@ -484,9 +484,10 @@ def test_good_inputs_pass_the_same_checks():
   p = _tree()
   so.check_frames(p)
   so.check_frames(_off_manifold(1.0 + 1e-7))
-  _update(so.stiefel_attention(LR), p)
+  state = so.stiefel_attention(LR).init(p)  # validates labels and layouts
+  assert len(frame_states(state)) == 1
   _update(so.stiefel_adam(LR), {"w": so.random_frames(jax.random.PRNGKey(0),
-                                                       (8, 8))})
+                                                       (8, 8))})  # r = d
 
 
 @pytest.mark.parametrize("which", ["stiefel_adam", "stiefel_attention"])
