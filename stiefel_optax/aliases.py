@@ -19,9 +19,10 @@ DEFAULT_MAX_STEP_NORM = 0.1
 def _cap_and_retract(max_step_norm: Optional[float], retraction: str):
   """The trust region (if any) and the polar retraction sized for it."""
   cap = [] if max_step_norm is None else [transforms.clip_frame_norm(max_step_norm)]
-  # Without a cap, Newton–Schulz is sized for steps up to ||xi||_F = 1.
+  # Without a cap the step norm is unbounded: Newton–Schulz then counts its
+  # steps at run time (max_step_norm=None).
   return cap + [transforms.retract_polar(
-      retraction, max_step_norm=max_step_norm or 1.0)]
+      retraction, max_step_norm=max_step_norm)]
 
 
 def stiefel_adam(learning_rate: optax.ScalarOrSchedule,

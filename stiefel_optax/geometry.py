@@ -126,6 +126,13 @@ def newton_schulz_residual(spread: float, num_steps: int, *,
   return e
 
 
+def newton_schulz_tol(dtype) -> float:
+  """Residual the Newton–Schulz retraction aims for in `dtype`: 1e-8 for
+  float32 (below its rounding) and narrower, about 5 ulp for float64 (one
+  more step), so float64 frames stay on the manifold to float64 rounding."""
+  return min(1e-8, 5.0 * float(jnp.finfo(compute_dtype(dtype)).eps))
+
+
 def newton_schulz_steps(max_step_norm: float = 1.0, tol: float = 1e-8, *,
                         tangent: bool = True) -> int:
   """Fewest Newton–Schulz steps that retract any step with ||xi||_F <= delta.
@@ -133,7 +140,8 @@ def newton_schulz_steps(max_step_norm: float = 1.0, tol: float = 1e-8, *,
   For tangent xi at W, (W + xi)^T (W + xi) = I + xi^T xi with spectrum in
   [1, 1 + ||xi||_2^2] subset [1, 1 + delta^2]; see `newton_schulz_residual`.
   delta = 1 needs 4 steps, delta = 0.1 needs 2 (tol = 1e-8, below float32
-  rounding). Non-tangent steps (tangent=False) need delta < 1 and more
+  rounding; `retract` uses `newton_schulz_tol(dtype)`, one step more in
+  float64). Non-tangent steps (tangent=False) need delta < 1 and more
   steps (delta = 0.1: 4).
   """
   if not max_step_norm > 0 or not math.isfinite(max_step_norm):
@@ -166,6 +174,39 @@ def _inv_sqrt_newton_schulz(m: jax.Array, lo: jax.Array, hi: jax.Array,
   return z * jax.lax.rsqrt(c)
 
 
+def _inv_sqrt_newton_schulz_adaptive(m: jax.Array, lo: jax.Array,
+                                     hi: jax.Array, tol: float = 1e-8,
+                                     max_steps: int = 100) -> jax.Array:
+  """`_inv_sqrt_newton_schulz` with as many steps as the batch needs.
+
+  For steps of unbounded length (no trust region), where no step count can
+  be fixed in advance. Alongside the iteration it runs the worst-case
+  scalar recursion of `newton_schulz_residual` on the smallest scaled
+  eigenvalue p = min 2 lo / (lo + hi), p <- p (3 - p)^2 / 4 (tracking p,
+  not e = 1 - p, keeps it exact for very long steps where p is tiny), and
+  stops once 1 - p <= tol (a `lax.while_loop`).
+  """
+  r = m.shape[-1]
+  c = (0.5 * (lo + hi))[..., None, None]
+  eye = jnp.eye(r, dtype=m.dtype)
+  p = 2.0 * lo / (lo + hi)
+  # A non-finite step (one bad frame) must not stop the others' iteration.
+  p0 = jnp.min(jnp.where(jnp.isfinite(p), p, 1.0)).astype(m.dtype)
+
+  def cond(carry):
+    _, _, p, k = carry
+    return (1.0 - p > tol) & (k < max_steps)
+
+  def body(carry):
+    y, z, p, k = carry
+    t = 0.5 * (3.0 * eye - z @ y)
+    return y @ t, t @ z, p * jnp.square(3.0 - p) / 4.0, k + 1
+
+  init = (m / c, jnp.broadcast_to(eye, m.shape), p0, jnp.zeros([], jnp.int32))
+  _, z, _, _ = jax.lax.while_loop(cond, body, init)
+  return z * jax.lax.rsqrt(c)
+
+
 def polar(a: jax.Array, method: str = "eigh", *,
           num_steps: Optional[int] = None) -> jax.Array:
   """Polar factor polar(A) = A (A^T A)^(-1/2) per frame, shape (..., d, r).
@@ -193,7 +234,7 @@ def polar(a: jax.Array, method: str = "eigh", *,
 
 
 def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
-            max_step_norm: float = 1.0,
+            max_step_norm: Optional[float] = 1.0,
             num_steps: Optional[int] = None,
             tangent: bool = True) -> jax.Array:
   """Polar retraction R_W(xi) = polar(W + xi).
@@ -202,10 +243,13 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
   itself so that a frame which rounding moved slightly off the manifold is
   pulled back onto it. For tangent xi and W on the manifold M = I + xi^T xi,
   whose spectrum lies in [1, 1 + ||xi||_F^2]; Newton–Schulz scales by that
-  per-frame bound and runs `newton_schulz_steps(max_step_norm)` steps, which
-  is exact to float32 rounding whenever ||xi||_F <= max_step_norm.
+  per-frame bound and runs `newton_schulz_steps(max_step_norm, tol)` steps
+  with tol = `newton_schulz_tol(dtype)`, which is exact to rounding (float32
+  or float64) whenever ||xi||_F <= max_step_norm.
   tangent=False uses the bound for any xi (`step_spectrum`) instead, for
-  steps that were not projected.
+  steps that were not projected. max_step_norm=None (and no num_steps):
+  steps of any length, with the step count found at run time from the
+  actual step norms (`_inv_sqrt_newton_schulz_adaptive`).
   """
   check_frame_shape(w.shape, "w")
   dtype = w.dtype
@@ -215,10 +259,14 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
   if method == "eigh":
     inv_root = _inv_sqrt_eigh(m)
   elif method == "newton_schulz":
-    if num_steps is None:
-      num_steps = newton_schulz_steps(max_step_norm, tangent=tangent)
     lo, hi = step_spectrum(frame_norm(xi.astype(cdtype)), tangent)
-    inv_root = _inv_sqrt_newton_schulz(m, lo, hi, num_steps)
+    tol = newton_schulz_tol(cdtype)
+    if num_steps is None and max_step_norm is None:
+      inv_root = _inv_sqrt_newton_schulz_adaptive(m, lo, hi, tol)
+    else:
+      if num_steps is None:
+        num_steps = newton_schulz_steps(max_step_norm, tol, tangent=tangent)
+      inv_root = _inv_sqrt_newton_schulz(m, lo, hi, num_steps)
   else:
     raise ValueError(f"method must be one of {RETRACTIONS}; got {method!r}.")
   return (a @ inv_root).astype(dtype)

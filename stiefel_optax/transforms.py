@@ -188,11 +188,11 @@ def clip_frame_norm(max_norm: float) -> optax.GradientTransformation:
     raise ValueError(f"clip_frame_norm: max_norm must be > 0; got {max_norm}.")
 
   def init_fn(params):
-    del params
+    check_frame_leaves(params, "clip_frame_norm")
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
-    del params
+    _require_params(params, "clip_frame_norm")
 
     def clip(xi):
       norm = geometry.frame_norm(xi)
@@ -208,22 +208,31 @@ def clip_frame_norm(max_norm: float) -> optax.GradientTransformation:
 # Polar retraction.
 
 
-def retract_polar(method: str = "newton_schulz", *, max_step_norm: float = 1.0,
+def retract_polar(method: str = "newton_schulz", *,
+                  max_step_norm: Optional[float] = 1.0,
                   tangent: bool = True) -> optax.GradientTransformation:
   """Turns a tangent step xi into the additive update polar(W + xi) - W.
 
   `optax.apply_updates(W, update)` then lands on the retracted frame. With
   method="newton_schulz" (matmul only) steps up to ||xi||_F <= max_step_norm
-  are retracted to float32 rounding (see `geometry.newton_schulz_steps`);
+  are retracted to rounding (see `geometry.newton_schulz_steps`);
   method="eigh" is exact for any step. Set tangent=False when the incoming
   steps are not tangent (no projection before it): Newton–Schulz then uses
-  the general bound and needs max_step_norm < 1.
+  the general bound and needs max_step_norm < 1. max_step_norm=None: no
+  bound on the step (no trust region before it); Newton–Schulz then finds
+  its step count at run time from the step norms.
   """
   if method not in geometry.RETRACTIONS:
     raise ValueError(
         f"retract_polar: method must be one of {geometry.RETRACTIONS}; got"
         f" {method!r}.")
-  num_steps = geometry.newton_schulz_steps(max_step_norm, tangent=tangent)
+  if max_step_norm is not None:       # validates the radius now
+    geometry.newton_schulz_steps(max_step_norm, tangent=tangent)
+  elif method == "newton_schulz" and not tangent:
+    raise ValueError(
+        "retract_polar: a non-tangent step of unbounded norm can make W + xi"
+        " singular; set max_step_norm < 1 (with a trust region before it) or"
+        " use method='eigh'.")
 
   def init_fn(params):
     check_frame_leaves(params, "retract_polar")
@@ -235,8 +244,9 @@ def retract_polar(method: str = "newton_schulz", *, max_step_norm: float = 1.0,
     def leaf(xi, w):
       cdtype = geometry.compute_dtype(w.dtype)
       w_c = w.astype(cdtype)
+      # The step count follows from max_step_norm and the compute dtype.
       new = geometry.retract(w_c, xi.astype(cdtype), method,
-                             num_steps=num_steps, tangent=tangent)
+                             max_step_norm=max_step_norm, tangent=tangent)
       return (new - w_c).astype(xi.dtype)
 
     return jax.tree.map(leaf, updates, params), state

@@ -1,0 +1,448 @@
+"""The Optax transforms and aliases against the step of DESIGN.md.
+
+Each transform runs with and without jit (`variant` fixture). float64 runs
+are compared with a NumPy reference of the step written from DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import stiefel_optax as so
+from stiefel_optax import geometry
+
+METHODS = geometry.RETRACTIONS
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# ---------------------------------------------------------------------------
+# NumPy reference of the step (DESIGN.md, "The step, exactly"), float64.
+
+
+def np_project(w, g):
+  wtg = np.swapaxes(w, -1, -2) @ g
+  return g - w @ (0.5 * (wtg + np.swapaxes(wtg, -1, -2)))
+
+
+def np_polar(a):
+  u, _, vt = np.linalg.svd(a, full_matrices=False)
+  return u @ vt
+
+
+def np_frobenius(x):
+  return np.sqrt(np.sum(x * x, axis=(-2, -1)))
+
+
+def reference_stiefel_adam(w, grad_fn, steps, lr, b1, b2, eps, delta):
+  """Frames after each step; lr is a function of the step index (0, 1, ...).
+  delta=None: no trust region; b1=None: plain Riemannian SGD."""
+  m, v, out = np.zeros_like(w), np.zeros(w.shape[:-2]), []
+  for t in range(1, steps + 1):
+    g = np_project(w, grad_fn(w))
+    if b1 is None:
+      u = g
+    else:
+      m = b1 * np_project(w, m) + (1 - b1) * g
+      v = b2 * v + (1 - b2) * np_frobenius(g) ** 2
+      u = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)[..., None,
+                                                                     None]
+    xi = -lr(t - 1) * u
+    if delta is not None:
+      n = np_frobenius(xi)
+      xi = xi * np.minimum(1.0, delta / np.maximum(n, 1e-300))[..., None, None]
+    w = np_polar(w + xi)
+    out.append(w)
+  return np.stack(out)
+
+
+def quadratic_problem(d, batch, seed=0):
+  """G(W) = -A W + B: the gradient of -tr(W^T A W) / 2 + <B, W> per frame."""
+  rng = np.random.default_rng(seed)
+  a = rng.standard_normal((d, d))
+  a = a + a.T
+  b = rng.standard_normal(batch + (d, 1)) * np.ones(batch + (d, 4)) / 2
+  b = b + rng.standard_normal(b.shape) / 2
+  return a, b
+
+
+def trajectory(tx, w, grad_fn, steps, wrap=lambda f: f):
+  """The frames after each of `steps` steps of `tx` (a Python loop over a
+  possibly jitted step)."""
+
+  @wrap
+  def step(w, state):
+    u, state = tx.update(grad_fn(w), state, w)
+    return optax.apply_updates(w, u), state
+
+  state, out = tx.init(w), []
+  for _ in range(steps):
+    w, state = step(w, state)
+    out.append(w)
+  return jax.tree.map(lambda *ws: jnp.stack(ws), *out)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stiefel_adam_matches_reference_float64(method, variant, x64, frames,
+                                                certificate):
+  """10 steps of `stiefel_adam` (with a learning-rate schedule, some steps
+  capped by the trust region) equal the NumPy reference of DESIGN.md:
+  <= 1e-12 relative with the exact (eigh) retraction, and within the
+  Newton–Schulz tolerance with the default one."""
+  a, b = quadratic_problem(8, (2,))
+  w0 = frames(0, (2, 8, 4))
+  lr = optax.exponential_decay(0.3, 1, 0.7)
+  kw = dict(b1=0.9, b2=0.99, eps=1e-8)
+  ja, jb = jnp.asarray(a), jnp.asarray(b)
+  tx = so.stiefel_adam(lr, **kw, max_step_norm=0.2, retraction=method)
+  got = trajectory(tx, w0, lambda w: -ja @ w + jb, 10, variant)
+  # optax evaluates the schedule at an int32 count (a float32 value).
+  ref = reference_stiefel_adam(np.asarray(w0), lambda w: -a @ w + b, 10,
+                               lambda t: float(lr(jnp.int32(t))), delta=0.2,
+                               **kw)
+  # Both the cap and the learning-rate schedule are exercised.
+  steps = np.linalg.norm(np.diff(ref, axis=0), axis=(-2, -1))
+  assert steps.max() > 0.15 and steps.min() < 0.1
+  err = rel(got, ref)
+  certificate(f"transforms: stiefel_adam vs reference ({method}, f64)", err)
+  assert err <= (1e-12 if method == "eigh" else 1e-7)
+
+
+@pytest.mark.parametrize("max_step_norm", [None, 0.05])
+def test_riemannian_sgd_matches_reference_float64(max_step_norm, variant, x64,
+                                                  frames, certificate):
+  """W+ = polar(W - lr P_W(G)) (capped when asked), exact retraction."""
+  a, b = quadratic_problem(8, (2,), seed=1)
+  w0 = frames(1, (2, 8, 4))
+  ja, jb = jnp.asarray(a), jnp.asarray(b)
+  tx = so.riemannian_sgd(0.02, max_step_norm=max_step_norm, retraction="eigh")
+  got = trajectory(tx, w0, lambda w: -ja @ w + jb, 5, variant)
+  ref = reference_stiefel_adam(np.asarray(w0), lambda w: -a @ w + b, 5,
+                               lambda t: 0.02, None, None, None, max_step_norm)
+  err = rel(got, ref)
+  certificate("transforms: riemannian_sgd vs reference (eigh, f64)", err)
+  assert err <= 1e-12
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_uncapped_large_steps_land_on_the_manifold(method, variant, frames,
+                                                   normal):
+  """Without a trust region the step can be arbitrarily long; the
+  retraction must still land on St(d, r) (float32)."""
+  w, g = frames(2, (3, 8, 4)), normal(3, (3, 8, 4))
+  for lr in (0.1, 1.0, 30.0):
+    tx = so.riemannian_sgd(lr, retraction=method)
+    u, _ = variant(tx.update)(g, tx.init(w), w)
+    new = optax.apply_updates(w, u)
+    assert float(jnp.max(so.isometry_error(new))) <= 3e-6, lr
+    ref = np.stack([np_polar(x) for x in np.asarray(w - lr * so.project_tangent(
+        w, g), np.float64)])
+    assert rel(new, ref) <= 1e-5
+
+
+# ---------------------------------------------------------------------------
+# Individual transforms
+
+
+def test_project_to_tangent(variant, frames, normal):
+  w, g = frames(4, (2, 8, 4)), normal(5, (2, 8, 4))
+  params = {"f32": w, "bf16": w[0].astype(jnp.bfloat16)}
+  grads = {"f32": g, "bf16": g[0].astype(jnp.bfloat16)}
+  tx = so.project_to_tangent()
+  out, state = variant(tx.update)(grads, tx.init(params), params)
+  assert state == optax.EmptyState()
+  np.testing.assert_allclose(out["f32"], so.project_tangent(w, g), atol=1e-6)
+  assert out["bf16"].dtype == jnp.bfloat16 and out["bf16"].shape == (8, 4)
+  wtp = jnp.einsum("...di,...dj->...ij", w, out["f32"])
+  assert float(jnp.max(jnp.abs(wtp + jnp.swapaxes(wtp, -1, -2)))) <= 1e-5
+
+
+def test_scale_by_frame_adam_state_and_first_step(variant, frames, normal):
+  """State: count (), mu like the leaf, nu ONE scalar per frame. First
+  step: m = (1 - b1) g, v = (1 - b2) ||g||^2, so u = g / (||g|| + eps)."""
+  w = frames(6, (2, 3, 8, 4))
+  g = so.project_tangent(w, normal(7, w.shape))
+  tx = so.scale_by_frame_adam(b1=0.8, b2=0.95, eps=0.0)
+  state = tx.init(w)
+  assert isinstance(state, so.ScaleByFrameAdamState)
+  assert state.count.shape == () and state.mu.shape == w.shape
+  assert state.nu.shape == (2, 3) and state.mu.dtype == w.dtype
+  u, state = variant(tx.update)(g, state, w)
+  n = jnp.linalg.norm(g, axis=(-2, -1))
+  assert int(state.count) == 1
+  np.testing.assert_allclose(state.nu, 0.05 * n ** 2, rtol=1e-5)
+  np.testing.assert_allclose(state.mu, 0.2 * g, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(u, g / n[..., None, None], rtol=1e-4, atol=1e-6)
+  # mu_dtype is honoured.
+  tx16 = so.scale_by_frame_adam(mu_dtype=jnp.bfloat16)
+  s16 = tx16.init(w)
+  assert s16.mu.dtype == jnp.bfloat16
+  u16, s16 = variant(tx16.update)(g, s16, w)
+  assert s16.mu.dtype == jnp.bfloat16 and u16.dtype == w.dtype
+
+
+@pytest.mark.parametrize("transport", [True, False])
+def test_momentum_is_carried_to_the_current_tangent_space(transport, variant,
+                                                          frames, normal):
+  """After the frame moved, the update is tangent at the current frame
+  only if the momentum is transported (projected); without it the old
+  momentum leaks a normal component (ablation control)."""
+  w0, w1 = frames(8, (8, 4)), frames(9, (8, 4))
+  g0 = so.project_tangent(w0, normal(10, (8, 4)))
+  g1 = so.project_tangent(w1, normal(11, (8, 4)))
+  tx = so.scale_by_frame_adam(transport_momentum=transport)
+  update = variant(tx.update)
+  _, state = update(g0, tx.init(w0), w0)
+  u, _ = update(g1, state, w1)
+  defect = jnp.linalg.norm(so.sym(w1.T @ u)) / jnp.linalg.norm(u)
+  if transport:
+    assert float(defect) <= 1e-5
+  else:
+    assert float(defect) >= 1e-2
+
+
+def test_clip_frame_norm(variant, normal, frames):
+  """xi <- xi min(1, delta / ||xi||_F) per frame."""
+  xi = normal(12, (4, 8, 4)) * jnp.array([0.0, 0.01, 1.0, 10.0])[:, None,
+                                                                  None]
+  w = frames(13, (4, 8, 4))
+  tx = so.clip_frame_norm(0.5)
+  out, _ = variant(tx.update)(xi, tx.init(w), w)
+  n_in = np.linalg.norm(xi, axis=(-2, -1))
+  n_out = np.linalg.norm(out, axis=(-2, -1))
+  np.testing.assert_allclose(n_out, np.minimum(n_in, 0.5), rtol=1e-5)
+  assert bool(jnp.all(jnp.isfinite(out)))
+  np.testing.assert_allclose(out[:2], xi[:2])      # under the cap: untouched
+  np.testing.assert_allclose(out[3] / n_out[3], xi[3] / n_in[3], rtol=1e-5,
+                             atol=1e-7)            # direction kept
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_retract_polar_lands_on_the_frame(method, variant, frames, normal):
+  """W + update == polar(W + xi), an orthonormal frame."""
+  w = frames(14, (3, 8, 4))
+  xi = so.project_tangent(w, normal(15, w.shape))
+  xi = xi * (0.5 / jnp.linalg.norm(xi, axis=(-2, -1)))[:, None, None]
+  tx = so.retract_polar(method, max_step_norm=0.5)
+  u, _ = variant(tx.update)(xi, tx.init(w), w)
+  new = optax.apply_updates(w, u)
+  assert float(jnp.max(so.isometry_error(new))) <= 3e-6
+  ref = np.stack([np_polar(x) for x in np.asarray(w + xi, np.float64)])
+  assert rel(new, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_gradient_gives_zero_step(method, variant, frames, normal):
+  """eps = 0 and G = 0: v = 0 and the Adam step xi is exactly zero, never
+  NaN. The whole chain then returns polar(W) - W: zero up to the rounding
+  defect of W that the retraction removes. The first nonzero gradient
+  afterwards gives a finite step."""
+  w = frames(16, (2, 8, 4))
+  adam = so.scale_by_frame_adam(eps=0.0)
+  tx = so.stiefel_adam(0.1, eps=0.0, retraction=method)
+  adam_update, update = variant(adam.update), variant(tx.update)
+  adam_state, state = adam.init(w), tx.init(w)
+  for _ in range(3):
+    xi, adam_state = adam_update(jnp.zeros_like(w), adam_state, w)
+    assert bool(jnp.all(xi == 0.0))
+    u, state = update(jnp.zeros_like(w), state, w)
+    assert bool(jnp.all(jnp.isfinite(u)))
+    assert float(jnp.max(jnp.abs(u))) <= 1e-6
+  u, state = update(normal(17, w.shape), state, w)
+  assert bool(jnp.all(jnp.isfinite(u))) and float(jnp.max(jnp.abs(u))) > 1e-3
+  assert float(jnp.max(so.isometry_error(w + u))) <= 3e-6
+
+
+def test_default_retraction_is_newton_schulz(frames, normal):
+  """The default chain equals the explicit newton_schulz chain bit for bit
+  and the eigh chain to float32 rounding."""
+  w = frames(18, (2, 8, 4))
+  g = normal(19, w.shape)
+  out = {}
+  for name, tx in [("default", so.stiefel_adam(0.1)),
+                   ("ns", so.stiefel_adam(0.1, retraction="newton_schulz")),
+                   ("eigh", so.stiefel_adam(0.1, retraction="eigh"))]:
+    out[name] = tx.update(g, tx.init(w), w)[0]
+  np.testing.assert_array_equal(out["default"], out["ns"])
+  assert rel(out["ns"], out["eigh"]) <= 1e-4
+
+
+# ---------------------------------------------------------------------------
+# Batching, shapes, dtypes
+
+
+def test_batched_frames_equal_a_loop_over_single_frames(variant, x64, frames,
+                                                        certificate):
+  """One (2, 2, 8, 4) leaf == four separate (8, 4) leaves, over 5 steps."""
+  a, b = quadratic_problem(8, (2, 2), seed=2)
+  ja, jb = jnp.asarray(a), jnp.asarray(b)
+  w0 = frames(20, (2, 2, 8, 4))
+  tx = so.stiefel_adam(0.1, eps=0.0)
+  batched = trajectory(tx, w0, lambda w: -ja @ w + jb, 5, variant)
+  singles = {f"{i}{j}": w0[i, j] for i in range(2) for j in range(2)}
+  looped = trajectory(
+      tx, singles, lambda ws: {k: -ja @ w + jb[int(k[0]), int(k[1])]
+                               for k, w in ws.items()}, 5, variant)
+  err = max(rel(looped[f"{i}{j}"], batched[:, i, j]) for i in range(2)
+            for j in range(2))
+  certificate("transforms: batched vs loop over frames (f64)", err)
+  assert err <= 1e-12
+
+
+def test_shapes_and_dtypes_are_preserved(variant, frames, normal):
+  """Updates, moments and the new frames keep each leaf's shape and dtype;
+  nu has one entry per frame; low precision is computed in float32."""
+  params = {"a": frames(21, (8, 4)), "b": frames(22, (2, 16, 4)),
+            "c": frames(23, (2, 3, 4, 4), jnp.bfloat16),
+            "d": frames(24, (8, 8), jnp.float16)}
+  grads = jax.tree.map(lambda w: normal(25, w.shape, w.dtype), params)
+  # Both retractions under jit; the default one without jit.
+  methods = METHODS if variant is jax.jit else ("newton_schulz",)
+  for method in methods:
+    tx = so.stiefel_adam(0.05, retraction=method)
+    state = tx.init(params)
+    u, state = variant(tx.update)(grads, state, params)
+    new = optax.apply_updates(params, u)
+    for k, w in params.items():
+      assert u[k].shape == w.shape and u[k].dtype == w.dtype, k
+      assert new[k].shape == w.shape and new[k].dtype == w.dtype, k
+      err = float(jnp.max(so.isometry_error(new[k].astype(jnp.float32))))
+      assert err <= {"a": 3e-6, "b": 3e-6, "c": 0.05, "d": 5e-3}[k], (k, err)
+    adam_state = state[1]
+    assert jax.tree.map(jnp.shape, adam_state.nu) == {
+        k: w.shape[:-2] for k, w in params.items()}
+    assert jax.tree.map(lambda x: x.dtype, adam_state.mu) == jax.tree.map(
+        lambda x: x.dtype, params)
+
+
+# ---------------------------------------------------------------------------
+# Errors
+
+
+def all_transforms():
+  return {
+      "project_to_tangent": so.project_to_tangent(),
+      "scale_by_frame_adam": so.scale_by_frame_adam(),
+      "clip_frame_norm": so.clip_frame_norm(1.0),
+      "retract_polar": so.retract_polar(),
+      "stiefel_adam": so.stiefel_adam(0.1),
+      "riemannian_sgd": so.riemannian_sgd(0.1),
+  }
+
+
+@pytest.mark.parametrize("name", sorted(all_transforms()))
+def test_update_without_params_raises(name, frames):
+  tx = all_transforms()[name]
+  w = {"w": frames(26, (8, 4))}
+  state = tx.init(w)
+  with pytest.raises(ValueError, match="params"):
+    tx.update(w, state, None)
+  with pytest.raises(ValueError, match="params"):
+    tx.init(None)
+
+
+BAD_LEAVES = [
+    (np.ones((5,), np.float32), r"\(5,\)"),               # rank 1
+    (np.ones((), np.float32), r"\(\)"),                   # rank 0
+    (np.ones((3, 4), np.float32), r"\(3, 4\)"),           # r > d
+    (np.ones((2, 3, 5), np.float32), r"\(2, 3, 5\)"),     # r > d, batched
+    (np.ones((4, 2), np.int32), "int32"),                 # not floating
+]
+
+
+@pytest.mark.parametrize("name", sorted(all_transforms()))
+@pytest.mark.parametrize("leaf,match", BAD_LEAVES)
+def test_bad_leaf_raises_naming_path_and_shape(name, leaf, match):
+  params = {"layer": {"query": jnp.asarray(leaf)}}
+  with pytest.raises(ValueError, match=match) as info:
+    all_transforms()[name].init(params)
+  assert "layer" in str(info.value) and "query" in str(info.value)
+
+
+def test_bad_method_and_radius_raise():
+  for make in (lambda: so.retract_polar("svd"),
+               lambda: so.stiefel_adam(0.1, retraction="svd"),
+               lambda: so.riemannian_sgd(0.1, retraction="svd")):
+    with pytest.raises(ValueError, match="svd"):
+      make()
+  for bad in (0.0, -1.0):
+    with pytest.raises(ValueError, match="max_norm"):
+      so.clip_frame_norm(bad)
+    with pytest.raises(ValueError, match="max_(step_)?norm"):
+      so.stiefel_adam(0.1, max_step_norm=bad)
+
+
+# ---------------------------------------------------------------------------
+# float32 long runs
+
+
+def scan_steps(tx, w, grad_fn, xs):
+  """lax.scan of `tx` steps; grad_fn(w, x) with x from `xs` per step."""
+
+  def body(carry, x):
+    w, state = carry
+    u, state = tx.update(grad_fn(w, x), state, w)
+    w = optax.apply_updates(w, u)
+    return (w, state), None
+
+  (w, _), _ = jax.lax.scan(body, (w, tx.init(w)), xs)
+  return w
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_isometry_after_2000_float32_steps(method, frames, normal,
+                                           certificate):
+  """2,000 steps of `stiefel_adam` on noisy gradients in float32: every
+  frame keeps ||W^T W - I||_F <= 1e-5 (no drift accumulates)."""
+  w0 = frames(27, (4, 16, 4), np.float32)
+  noise = normal(28, (2000,) + w0.shape, np.float32)
+  a, _ = quadratic_problem(16, (), seed=3)
+  ja = jnp.asarray(a, jnp.float32)
+  tx = so.stiefel_adam(0.05, retraction=method)
+  w = jax.jit(lambda w, xs: scan_steps(tx, w, lambda w, x: -ja @ w + x,
+                                       xs))(w0, noise)
+  err = float(jnp.max(so.isometry_error(w)))
+  certificate(f"transforms: isometry after 2000 f32 steps ({method})", err)
+  assert err <= 1e-5
+  assert rel(w, w0) > 0.5                    # the frames really moved
+
+
+def test_convergence_to_top_eigenspace_float32(certificate):
+  """Maximising tr(W^T A W) over St(d, r) reaches the sum of the top-r
+  eigenvalues of A (Ky Fan) within 1e-4 relative, from random starts."""
+  d, r = 16, 4
+  rng = np.random.default_rng(4)
+  x = rng.standard_normal((d, d))
+  a = (x @ x.T / d).astype(np.float32)          # Wishart: positive spectrum
+  target = float(np.sum(np.linalg.eigvalsh(a.astype(np.float64))[-r:]))
+  w0 = jnp.asarray(
+      np.stack([np.linalg.qr(rng.standard_normal((d, r)))[0]
+                for _ in range(3)]).astype(np.float32))
+  ja = jnp.asarray(a)
+  tx = so.stiefel_adam(optax.cosine_decay_schedule(0.05, 1500, alpha=1e-3))
+  w = jax.jit(lambda w: scan_steps(tx, w, lambda w, _: -2.0 * ja @ w,
+                                   jnp.zeros(1500)))(w0)
+  values = np.asarray(jnp.einsum("bdi,de,bei->b", w, ja, w), np.float64)
+  err = float(np.max(np.abs(values - target)) / target)
+  certificate("transforms: tr(W^T A W) vs top-r eigensum (f32)", err)
+  assert err <= 1e-4
+
+
+def test_uncapped_newton_schulz_one_bad_frame_does_not_stop_the_others(
+    frames, normal):
+  """The run-time step count ignores a frame whose step is not finite."""
+  w = frames(29, (3, 8, 4))
+  xi = 3.0 * so.project_tangent(w, normal(30, w.shape))
+  xi = xi.at[1].set(jnp.nan)
+  out = so.retract(w, xi, "newton_schulz", max_step_norm=None)
+  good = np.asarray(so.isometry_error(out[jnp.array([0, 2])]))
+  assert good.max() <= 3e-6
