@@ -14,9 +14,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from stiefel_optax import aliases, geometry, layouts
+from stiefel_optax import aliases, geometry, layouts, transforms
 
 STIEFEL = "stiefel"
 EUCLIDEAN = "euclidean"
@@ -78,17 +79,32 @@ def qk_labels(params, patterns: Patterns = DEFAULT_QK_PATTERNS):
 
 
 def check_labels(params, labels):
-  """Raises ValueError unless `labels` has the structure of `params` and
-  holds only STIEFEL / EUCLIDEAN."""
+  """Returns `labels` in the structure of `params`, checked.
+
+  A labels tree whose structure differs from that of `params` but whose
+  leaves have the same paths (as `path_str` writes them) is rebuilt in the
+  structure of `params`: labels computed on an `nnx.State` of Variables then
+  apply to the pure dicts that `nnx.Optimizer.update` passes, and vice versa.
+
+  Raises:
+    ValueError when the paths differ (listing those only in params and those
+    only in labels) or a label is not STIEFEL / EUCLIDEAN.
+  """
   pdef, ldef = jax.tree.structure(params), jax.tree.structure(labels)
   if pdef != ldef:
-    ppaths = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
-    lpaths = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(labels)}
-    raise ValueError(
-        "labels do not match the params tree: only in params"
-        f" {sorted(ppaths - lpaths)[:8]}, only in labels"
-        f" {sorted(lpaths - ppaths)[:8]} ({pdef.num_leaves} param leaves,"
-        f" {ldef.num_leaves} labels).")
+    pitems = jax.tree_util.tree_leaves_with_path(params)
+    litems = jax.tree_util.tree_leaves_with_path(labels)
+    ppaths = [path_str(p) for p, _ in pitems]
+    by_path = {path_str(p): l for p, l in litems}
+    if (len(by_path) != len(litems) or len(set(ppaths)) != len(ppaths)
+        or set(ppaths) != set(by_path)):
+      raise ValueError(
+          "labels do not match the params tree: only in params"
+          f" {sorted(set(ppaths) - set(by_path))[:8]}, only in labels"
+          f" {sorted(set(by_path) - set(ppaths))[:8]} ({len(pitems)} param"
+          f" leaves, {len(litems)} labels). Compute them with"
+          " stiefel_optax.qk_labels(params) on the tree the optimizer sees.")
+    labels = pdef.unflatten([by_path[p] for p in ppaths])
   bad = [f"{path_str(p)}={l!r}" for p, l in
          jax.tree_util.tree_leaves_with_path(labels) if l not in (STIEFEL, EUCLIDEAN)]
   if bad:
@@ -115,14 +131,19 @@ def kernel_layout(leaf_shape, *, per_head: bool = True,
                   path: str = "leaf") -> layouts.FrameLayout:
   """The frame layout of one query/key kernel.
 
-  (d, heads, head_dim): one frame per head, or one (d, heads * head_dim)
+  (..., d, heads, head_dim) (Flax's layout; leading axes, e.g. of scanned
+  layers, are a batch): one frame per head, or one (d, heads * head_dim)
   frame when per_head=False. (d, cols): one frame, or frames of `head_dim`
-  columns when per_head and head_dim are given. Anything else: the last two
-  axes (pass `layout=` to stiefel_attention for other conventions).
+  columns when per_head and head_dim are given. Other conventions, such as
+  einsum-style (heads, d, head_dim) kernels, need `layout=` (here
+  `FrameLayout(1, 2)`).
   """
   ndim = len(leaf_shape)
   if ndim == 3:
     return layouts.FLAX_PER_HEAD if per_head else layouts.FLAX_WHOLE
+  if ndim > 3:
+    return (layouts.FrameLayout(-3, -1) if per_head
+            else layouts.FrameLayout(-3, (-2, -1)))
   if ndim == 2 and per_head and head_dim is not None:
     cols = leaf_shape[1]
     if cols % head_dim:
@@ -193,6 +214,67 @@ def check_frame_view(params, labels, layout) -> None:
           f" {EUCLIDEAN!r} or change the layout.")
 
 
+def _static_int(value, name: str) -> Optional[int]:
+  """num_heads / head_dim as a Python int: they fix the frames' shapes."""
+  if value is None or isinstance(value, (int, np.integer)):
+    return None if value is None else int(value)
+  raise ValueError(
+      f"stiefel_attention: {name} = {value!r} must be a Python int: it fixes"
+      " the frames' shapes and cannot be a traced hyperparameter. With"
+      f" optax.inject_hyperparams pass static_args=({name!r},).")
+
+
+def _clip_frame_norm_traced(max_norm: jax.Array) -> optax.GradientTransformation:
+  """`transforms.clip_frame_norm` for a radius held as an array (traced
+  under jit, as `optax.inject_hyperparams` passes it)."""
+
+  def update_fn(updates, state, params=None):
+    del params
+
+    def clip(xi):
+      x = xi.astype(geometry.compute_dtype(xi.dtype))
+      norm = geometry.frame_norm(x)
+      factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, max_norm))
+      return (x * factor[..., None, None]).astype(xi.dtype)
+
+    return jax.tree.map(clip, updates), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
+def _stiefel_group(learning_rate, b1, b2, eps, max_step_norm, retraction,
+                   mu_dtype) -> optax.GradientTransformation:
+  """`aliases.stiefel_adam`, also for a trust-region radius given as an array.
+
+  `optax.inject_hyperparams` turns every numeric argument into an array that
+  is traced under jit. The cap then uses the traced radius, and the
+  Newton–Schulz retraction (whose iteration count must be static) is sized
+  for steps up to norm 1, so an injected radius must lie in (0, 1] (checked
+  whenever its value is concrete). Pass static_args=('max_step_norm',) to
+  size the retraction for a fixed radius instead.
+  """
+  if max_step_norm is None or isinstance(max_step_norm, (int, float, np.number)):
+    return aliases.stiefel_adam(
+        learning_rate, b1, b2, eps,
+        max_step_norm=None if max_step_norm is None else float(max_step_norm),
+        retraction=retraction, mu_dtype=mu_dtype)
+  if not isinstance(max_step_norm, jax.core.Tracer):
+    value = float(max_step_norm)
+    upper = 1.0 if retraction == "newton_schulz" else np.inf
+    if not 0.0 < value <= upper:
+      raise ValueError(
+          f"stiefel_attention: an array-valued (injected) max_step_norm must"
+          f" lie in (0, {upper}] with retraction={retraction!r}; got {value}."
+          " Pass static_args=('max_step_norm',) to optax.inject_hyperparams"
+          " for a larger fixed radius.")
+  return optax.chain(
+      transforms.project_to_tangent(),
+      transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype),
+      optax.scale_by_learning_rate(learning_rate),
+      _clip_frame_norm_traced(max_step_norm),
+      transforms.retract_polar(retraction, max_step_norm=1.0))
+
+
 def _euclidean_eps(eps):
   """AdamW's eps: `eps`, or optax's default 1e-8 where eps = 0 (AdamW would
   divide 0 / 0 on coordinates with zero gradient). Works for an eps that
@@ -248,7 +330,21 @@ def stiefel_attention(
   `scale_by_frame_adam`); the Euclidean AdamW group does not, so a NaN
   there reaches its leaf. To skip the whole step, wrap the whole optimizer:
   `optax.apply_if_finite(stiefel_attention(...), max_consecutive_errors)`.
+
+  Composes with `optax.inject_hyperparams`, which may schedule or change
+  between steps learning_rate, stiefel_learning_rate, weight_decay, b1, b2,
+  eps and max_step_norm (an injected max_step_norm must be <= 1 with the
+  Newton–Schulz retraction; see `_stiefel_group`):
+
+      tx = optax.inject_hyperparams(stiefel_attention)(learning_rate=1e-3)
+      state.hyperparams['learning_rate'] = 3e-4     # between steps
+
+  num_heads and head_dim fix shapes, and inject_hyperparams treats every
+  callable as a schedule, so pass those (and callable labels, patterns or
+  layout, and mu_dtype given as a dtype class) as `static_args`.
   """
+  num_heads = _static_int(num_heads, "num_heads")
+  head_dim = _static_int(head_dim, "head_dim")
   layout_kwargs = dict(per_head=per_head, num_heads=num_heads,
                        head_dim=head_dim, layout=layout)
 
@@ -259,10 +355,9 @@ def stiefel_attention(
     check_frame_view(params, lab, layout_fn(stiefel_only, **layout_kwargs))
     return lab
 
-  inner = stiefel_tx or aliases.stiefel_adam(
+  inner = stiefel_tx or _stiefel_group(
       stiefel_learning_rate if stiefel_learning_rate is not None
-      else learning_rate, b1, b2, eps, max_step_norm=max_step_norm,
-      retraction=retraction, mu_dtype=mu_dtype)
+      else learning_rate, b1, b2, eps, max_step_norm, retraction, mu_dtype)
   rest = euclidean_tx or optax.adamw(learning_rate, b1, b2,
                                      _euclidean_eps(eps),
                                      weight_decay=weight_decay,
@@ -303,9 +398,17 @@ def orthonormalize(params, labels=None, *, method: str = "eigh",
 
   The nearest orthonormal frame in Frobenius norm (the polar factor of A is
   argmin ||Q - A||_F over St(d, r)); other leaves are returned unchanged.
+  The factor from `method` is polished by two Newton–Schulz steps, which
+  converge quadratically from a nearly orthonormal frame, so that an
+  ill-conditioned A (e.g. a whole-projection frame) still lands on the
+  manifold to the rounding of its dtype.
   """
-  return map_frames(lambda a: geometry.polar(a, method), params, labels,
-                    **layout_kwargs)
+
+  def fn(a):
+    q = geometry.polar(a, method)
+    return geometry.polar(q, "newton_schulz", num_steps=2)
+
+  return map_frames(fn, params, labels, **layout_kwargs)
 
 
 def orthonormal_heads_init(dtype=jnp.float32):
