@@ -118,8 +118,10 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   the step commutes with W -> QW for Q in O(d).
 
   Non-finite gradients: the library skips the frame. A frame whose gradient
-  holds a NaN or Inf keeps its moments and gets a zero step (the count still
-  advances), so one bad frame never corrupts the others or the state. The
+  holds a NaN or Inf (or one so large that ||g||_F^2 overflows, which would
+  otherwise set v to Inf for good) keeps its moments and gets a zero step
+  (the count still advances), so one bad frame never corrupts the others or
+  the state. The
   Euclidean AdamW group of `stiefel_attention` does not skip (optax's AdamW
   lets the NaN into its leaf); to skip the whole step, wrap the whole
   optimizer in `optax.apply_if_finite(tx, max_consecutive_errors)`.
@@ -153,12 +155,16 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       t = count.astype(cdtype)
       bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
       g, m_c, w = g_in.astype(cdtype), m.astype(cdtype), w.astype(cdtype)
-      finite = jnp.all(jnp.isfinite(g), axis=(-2, -1))
-      g = jnp.where(finite[..., None, None], g, 0.0)
+      # ||g||^2 is NaN or Inf iff g holds a NaN or Inf (or overflows it):
+      # the reduction that v needs anyway is the finiteness test, with no
+      # boolean array written. A non-finite g then only reaches values that
+      # the selects below replace, so g itself needs no select.
+      g_sq = jnp.sum(jnp.square(g), axis=(-2, -1))
+      finite = jnp.isfinite(g_sq)
       if transport_momentum:
         m_c = geometry.project_tangent(w, m_c)
       m_new = b1 * m_c + (1.0 - b1) * g
-      v_new = b2 * v + (1.0 - b2) * jnp.sum(jnp.square(g), axis=(-2, -1))
+      v_new = b2 * v + (1.0 - b2) * g_sq
       m_new = jnp.where(finite[..., None, None], m_new, m.astype(cdtype))
       v_new = jnp.where(finite, v_new, v)
       denom = jnp.sqrt(v_new / bc2.astype(cdtype)) + eps
