@@ -1,0 +1,812 @@
+"""Modular-arithmetic grokking: AdamW against Stiefel attention, paired seeds.
+
+    python -m benchmarks.grokking            # reduced default, a few minutes
+    python -m benchmarks.grokking --full     # the longer study, resumable
+
+Task: (a op b) mod p (p = 97) from the tokens [a, b, =], a seeded share of all
+equations for training, the rest for validation, full-batch training.
+Model: `benchmarks.transformer.Transformer` (flax.linen attention).
+Arms (same data split, same initialisation of every non-Q/K weight, same
+full-batch order for a seed):
+
+  adamw    every weight on AdamW, weight decay 1.0.
+  stiefel  the Q/K kernels' per-head frames orthonormalised at the start and
+           trained by `stiefel_optax.stiefel_attention`; the rest AdamW, wd 1.0.
+  rsgd     (mechanism probe only) Q/K frames on fixed-step `riemannian_sgd`.
+
+Every `log_every` steps each run records train/validation accuracy and loss,
+the isometry error ||W^T W - I||_F of every Q/K frame (the AdamW arm's raw
+kernels, per head), the Frobenius norm of every other weight, and the mean
+per-step movement ||W_{t+1} - W_t||_F of each Q/K frame over the chunk.
+Runs are saved per (arm, seed) with a checkpoint, so a stopped study resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import stiefel_optax as so
+from benchmarks import modular, stats, transformer
+
+ARMS = ("adamw", "stiefel")
+PROBE_ARM = "rsgd"
+RESULTS_DIR = Path(__file__).parent / "results" / "grokking"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything that determines a run (hashed into its file name)."""
+  p: int = modular.DEFAULT_PRIME
+  op: str = "+"
+  train_fraction: float = 0.5
+  d_model: int = 32
+  num_heads: int = 4
+  d_mlp: int = 128
+  num_layers: int = 1
+  learning_rate: float = 1e-3
+  stiefel_learning_rate: Optional[float] = None   # None: learning_rate
+  weight_decay: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.98
+  max_step_norm: float = 0.1
+  rsgd_learning_rate: float = 0.1
+  log_every: int = 50
+  target_acc: float = 0.95
+
+  def key(self) -> str:
+    blob = json.dumps(dataclasses.asdict(self), sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """Which runs: `seeds` x arms to `steps`; `long_seed` continued to
+  `long_steps` (0: none); the rsgd probe for `probe_steps` on each seed."""
+  steps: int
+  seeds: tuple
+  long_steps: int = 0
+  long_seed: int = 0
+  probe_steps: int = 0
+  arms: tuple = ARMS
+
+
+DEFAULT_STUDY = Study(steps=1000, seeds=(0, 1, 2, 3, 4), probe_steps=200)
+FULL_STUDY = Study(steps=3000, seeds=(0, 1, 2, 3, 4), long_steps=20000,
+                   probe_steps=500)
+
+
+# --------------------------------------------------------------------------
+# Model, data, optimizers.
+
+
+def make_model(cfg: Config) -> transformer.Transformer:
+  return transformer.Transformer(
+      vocab_size=modular.vocab_size(cfg.p), seq_len=3, num_classes=cfg.p,
+      d_model=cfg.d_model, num_heads=cfg.num_heads, d_mlp=cfg.d_mlp,
+      num_layers=cfg.num_layers)
+
+
+def make_data(cfg: Config, seed: int) -> modular.Split:
+  """The seed's split as device arrays (the same for every arm)."""
+  sp = modular.make_split(cfg.p, cfg.op, cfg.train_fraction, seed)
+  return modular.Split(*(jnp.asarray(a) for a in sp))
+
+
+def initial_params(cfg: Config, arm: str, seed: int):
+  """The seed's initialisation; Stiefel arms replace each Q/K head by its
+  nearest orthonormal frame (polar factor), every other weight identical."""
+  params = transformer.init_params(make_model(cfg), jax.random.PRNGKey(seed))
+  return params if arm == "adamw" else so.orthonormalize(params)
+
+
+def make_optimizer(cfg: Config, arm: str) -> optax.GradientTransformation:
+  adamw = optax.adamw(cfg.learning_rate, cfg.b1, cfg.b2,
+                      weight_decay=cfg.weight_decay)
+  if arm == "adamw":
+    return adamw
+  if arm == "stiefel":
+    return so.stiefel_attention(
+        cfg.learning_rate, stiefel_learning_rate=cfg.stiefel_learning_rate,
+        weight_decay=cfg.weight_decay, b1=cfg.b1, b2=cfg.b2,
+        max_step_norm=cfg.max_step_norm)
+  if arm == PROBE_ARM:
+    return so.stiefel_attention(
+        cfg.learning_rate, stiefel_tx=so.riemannian_sgd(cfg.rsgd_learning_rate),
+        euclidean_tx=adamw)
+  raise ValueError(f"arm must be one of {ARMS + (PROBE_ARM,)}; got {arm!r}.")
+
+
+# --------------------------------------------------------------------------
+# Training: jit over a chunk of `log_every` steps (lax.scan).
+
+
+def other_norms(params, labels) -> dict:
+  """{path: ||x||_F} for every weight that is not a Q/K kernel."""
+  return {so.path_str(p): jnp.linalg.norm(x.ravel())
+          for (p, x), l in zip(jax.tree_util.tree_leaves_with_path(params),
+                               jax.tree.leaves(labels)) if l == so.EUCLIDEAN}
+
+
+@functools.lru_cache(maxsize=None)
+def chunk_fn(cfg: Config, arm: str):
+  """jit((params, opt_state), data) -> (new carry, mean Q/K movement)."""
+  model, tx = make_model(cfg), make_optimizer(cfg, arm)
+
+  def step(carry, data):
+    params, opt_state = carry
+    labels = so.qk_labels(params)
+    grads = jax.grad(lambda p: transformer.loss_fn(model, p, *data))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new = optax.apply_updates(params, updates)
+    return (new, opt_state), so.frame_movement(params, new, labels)
+
+  def chunk(carry, train_x, train_y):
+    carry, moves = jax.lax.scan(lambda c, _: step(c, (train_x, train_y)),
+                                carry, None, length=cfg.log_every)
+    return carry, jax.tree.map(lambda m: m.mean(0), moves)
+
+  return jax.jit(chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def measure_fn(cfg: Config):
+  """jit(params, data) -> accuracies, losses, isometry errors, norms."""
+  model = make_model(cfg)
+
+  def measure(params, data):
+    labels = so.qk_labels(params)
+    tl, ta = transformer.loss_and_accuracy(model, params, data.train_x,
+                                           data.train_y)
+    vl, va = transformer.loss_and_accuracy(model, params, data.val_x,
+                                           data.val_y)
+    return dict(train_loss=tl, train_acc=ta, val_loss=vl, val_acc=va,
+                iso=so.frame_isometry_errors(params, labels),
+                norms=other_norms(params, labels))
+
+  return jax.jit(measure)
+
+
+def empty_history() -> dict:
+  return {k: [] for k in ("step", "train_loss", "train_acc", "val_loss",
+                          "val_acc", "iso", "norms", "move")}
+
+
+def record(hist: dict, step: int, m: dict, move: Optional[dict]) -> None:
+  """Appends one measurement (arrays as lists) to the history."""
+  m = jax.tree.map(lambda x: np.asarray(x).tolist(), m)
+  hist["step"].append(step)
+  for k in ("train_loss", "train_acc", "val_loss", "val_acc", "iso", "norms"):
+    hist[k].append(m[k])
+  hist["move"].append(None if move is None else
+                      jax.tree.map(lambda x: np.asarray(x).tolist(), move))
+
+
+# --------------------------------------------------------------------------
+# One run, saved and resumable.
+
+
+def run_path(out: Path, cfg: Config, arm: str, seed: int) -> Path:
+  return out / "runs" / f"{arm}_seed{seed}_{cfg.key()}.json"
+
+
+def save_checkpoint(path: Path, carry) -> None:
+  leaves = [np.asarray(x) for x in jax.tree.leaves(carry)]
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp.npz")
+  np.savez(tmp, *leaves)
+  os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, like):
+  with np.load(path) as f:
+    leaves = [jnp.asarray(f[f"arr_{i}"]) for i in range(len(f.files))]
+  return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def write_json(path: Path, obj) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(obj))
+  os.replace(tmp, path)
+
+
+def train_run(cfg: Config, arm: str, seed: int, steps: int,
+              out: Optional[Path] = None, progress=None,
+              save_every_s: float = 60.0) -> dict:
+  """Trains (arm, seed) to `steps` (a multiple of cfg.log_every), resuming
+  from `out`'s saved run if there is one; returns the run's record."""
+  if steps % cfg.log_every:
+    raise ValueError(f"steps = {steps} is not a multiple of log_every ="
+                     f" {cfg.log_every}.")
+  path = run_path(out, cfg, arm, seed) if out is not None else None
+  ckpt = path.with_suffix(".npz") if path is not None else None
+  data = make_data(cfg, seed)
+  params = initial_params(cfg, arm, seed)
+  carry = (params, make_optimizer(cfg, arm).init(params))
+  run = dict(arm=arm, seed=seed, config=dataclasses.asdict(cfg),
+             n_train=int(data.train_x.shape[0]), n_val=int(data.val_x.shape[0]),
+             wall_s=0.0, history=empty_history())
+  if path is not None and path.exists() and ckpt.exists():
+    run = json.loads(path.read_text())
+    carry = load_checkpoint(ckpt, carry)
+  hist = run["history"]
+  if not hist["step"]:
+    record(hist, 0, measure_fn(cfg)(carry[0], data), None)
+  done = hist["step"][-1]
+  if progress is not None:
+    progress.update(min(done, steps))
+  chunk, measure = chunk_fn(cfg, arm), measure_fn(cfg)
+  t0, last_save, c0 = time.time(), time.time(), time.process_time()
+  while done < steps:
+    carry, move = chunk(carry, data.train_x, data.train_y)
+    done += cfg.log_every
+    record(hist, done, measure(carry[0], data), move)
+    if progress is not None:
+      progress.update(cfg.log_every)
+    if path is not None and (time.time() - last_save > save_every_s
+                             or done >= steps):
+      run["wall_s"] += time.time() - t0
+      run["cpu_s"] = run.get("cpu_s", 0.0) + time.process_time() - c0
+      t0 = last_save = time.time()
+      c0 = time.process_time()
+      save_checkpoint(ckpt, carry)
+      write_json(path, run)
+  if path is None:   # saved runs were timed at their last save
+    run["wall_s"] += time.time() - t0
+    run["cpu_s"] = run.get("cpu_s", 0.0) + time.process_time() - c0
+  return run
+
+
+def load_run(cfg: Config, arm: str, seed: int, out: Path) -> Optional[dict]:
+  """The saved (possibly partial) run, or None."""
+  path = run_path(out, cfg, arm, seed)
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+def truncate(run: dict, steps: int) -> dict:
+  """The run's record up to `steps` (the long run's prefix in the study)."""
+  n = sum(1 for s in run["history"]["step"] if s <= steps)
+  hist = {k: v[:n] for k, v in run["history"].items()}
+  return dict(run, history=hist)
+
+
+# --------------------------------------------------------------------------
+# Per-run summaries.
+
+
+def steps_to_target(hist: dict, target: float) -> Optional[int]:
+  """First logged step with validation accuracy >= target (None: never)."""
+  for s, a in zip(hist["step"], hist["val_acc"]):
+    if a >= target:
+      return s
+  return None
+
+
+def min_after(hist: dict, step: Optional[int]) -> Optional[float]:
+  """Lowest validation accuracy from `step` on (None if step is None)."""
+  if step is None:
+    return None
+  return min(a for s, a in zip(hist["step"], hist["val_acc"]) if s >= step)
+
+
+def mean_frames(per_path: dict) -> float:
+  """Mean over every Q/K frame (all kernels, all heads) of one record."""
+  vals = np.concatenate([np.ravel(v) for v in per_path.values()])
+  return float(vals.mean())
+
+
+def iso_curve(hist: dict) -> np.ndarray:
+  return np.array([mean_frames(r) for r in hist["iso"]])
+
+
+def move_curve(hist: dict) -> np.ndarray:
+  """Mean per-step Q/K frame movement of each chunk (step 0 has none)."""
+  return np.array([mean_frames(r) for r in hist["move"] if r is not None])
+
+
+def other_norm_curve(hist: dict) -> np.ndarray:
+  """sqrt(sum of squared norms) of every non-Q/K weight, per record."""
+  return np.array([math.sqrt(sum(v * v for v in r.values()))
+                   for r in hist["norms"]])
+
+
+def run_summary(run: dict, target: float) -> dict:
+  h = run["history"]
+  hit = steps_to_target(h, target)
+  return dict(arm=run["arm"], seed=run["seed"], steps=h["step"][-1],
+              steps_to_target=hit, final_val_acc=h["val_acc"][-1],
+              final_train_acc=h["train_acc"][-1],
+              max_val_acc=max(h["val_acc"]), min_val_acc_after=min_after(h, hit),
+              mean_iso=float(iso_curve(h)[1:].mean()),
+              mean_move=float(move_curve(h).mean()),
+              final_other_norm=float(other_norm_curve(h)[-1]),
+              wall_s=run["wall_s"])
+
+
+# --------------------------------------------------------------------------
+# Statistics over seeds.
+
+
+def censored(values: Sequence[Optional[int]], ceiling: int) -> list:
+  """Never-reached (None) counted at the ceiling: a lower bound."""
+  return [ceiling if v is None else v for v in values]
+
+
+def compare_arms(summaries: dict, steps: int) -> dict:
+  """Paired (stiefel vs adamw) tests over the seeds both arms ran."""
+  a, s = summaries["adamw"], summaries["stiefel"]
+  seeds = sorted(set(a) & set(s))
+  a, s = [a[k] for k in seeds], [s[k] for k in seeds]
+  hit_a = [r["steps_to_target"] for r in a]
+  hit_s = [r["steps_to_target"] for r in s]
+  ceil = steps + 1
+  out = dict(seeds=seeds, n_never_adamw=hit_a.count(None),
+             n_never_stiefel=hit_s.count(None))
+  out["steps_to_target"] = stats.paired_comparison(censored(hit_s, ceil),
+                                                   censored(hit_a, ceil))
+  out["final_val_acc"] = stats.paired_comparison(
+      [r["final_val_acc"] for r in s], [r["final_val_acc"] for r in a])
+  out["min_val_acc_after"] = stats.unpaired_comparison(
+      [r["min_val_acc_after"] for r in s if r["min_val_acc_after"] is not None],
+      [r["min_val_acc_after"] for r in a if r["min_val_acc_after"] is not None])
+  return out
+
+
+def winner(comp: dict) -> str:
+  """Plain sentence: which arm groks first, and final accuracy."""
+  st, fv = comp["steps_to_target"], comp["final_val_acc"]
+  if comp["n_never_adamw"] == comp["n_never_stiefel"] == st["n"]:
+    return (f"Neither arm reached the target in any of {st['n']} seeds: no"
+            " grokking winner.")
+  if st["mean_diff"] == 0:
+    faster = "neither arm"
+  else:
+    faster = "stiefel" if st["mean_diff"] < 0 else "adamw"
+  sig = "significant" if st["p"] < 0.05 else "not significant"
+  n = st["n"]
+  # paired_comparison counts treatment (stiefel) > baseline as a win; for
+  # steps fewer is better.
+  s_first, a_first = st["losses"], st["wins"]
+  higher = ("stiefel" if fv["mean_diff"] > 0 else
+            "adamw" if fv["mean_diff"] < 0 else "neither arm")
+  return (f"Grokking speed: {faster} wins (reaches the target first in"
+          f" {max(s_first, a_first)}/{n} seeds, stiefel first in {s_first},"
+          f" adamw first in {a_first}; mean difference stiefel - adamw"
+          f" {st['mean_diff']:+.0f} steps, paired t p = {st['p']:.3g},"
+          f" {sig} at 0.05). Final validation accuracy: {higher} higher in"
+          f" {max(fv['wins'], fv['losses'])}/{fv['n']} seeds (mean difference"
+          f" {fv['mean_diff']:+.4f}, paired t p = {fv['p']:.3g}).")
+
+
+def iso_ratio(runs_a: list, runs_s: list) -> dict:
+  """adamw / stiefel mean Q/K isometry error at each common logged step
+  after step 0 (seeds averaged per arm): geometric mean, min and max."""
+  n = min(len(r["history"]["step"]) for r in runs_a + runs_s)
+  ia = np.mean([iso_curve(r["history"])[:n] for r in runs_a], 0)
+  is_ = np.mean([iso_curve(r["history"])[:n] for r in runs_s], 0)
+  ratio = ia[1:] / np.maximum(is_[1:], np.finfo(np.float32).tiny)
+  return dict(geomean=float(np.exp(np.log(ratio).mean())),
+              min=float(ratio.min()), max=float(ratio.max()),
+              adamw_mean=float(ia[1:].mean()), stiefel_mean=float(is_[1:].mean()),
+              stiefel_max=float(is_[1:].max()), steps=int(runs_a[0]["history"]["step"][n - 1]))
+
+
+def movement_ratios(runs: dict, probe: dict, probe_steps: int) -> dict:
+  """Per-step Q/K frame movement over the first `probe_steps` steps of each
+  seed: adamw / rsgd and adamw / stiefel, per seed and their range."""
+  out = {}
+  for other, src in (("rsgd", probe), ("stiefel", runs["stiefel"])):
+    per_seed = {}
+    for seed, r in src.items():
+      if seed not in runs["adamw"]:
+        continue
+      n = probe_steps // r["config"]["log_every"]
+      ma = move_curve(runs["adamw"][seed]["history"])[:n].mean()
+      mo = move_curve(r["history"])[:n].mean()
+      per_seed[seed] = dict(adamw=float(ma), other=float(mo),
+                            ratio=float(ma / mo))
+    if per_seed:
+      rat = [v["ratio"] for v in per_seed.values()]
+      out[f"adamw_over_{other}"] = dict(
+          per_seed=per_seed, mean=float(np.mean(rat)), min=float(min(rat)),
+          max=float(max(rat)), steps=probe_steps)
+  return out
+
+
+# --------------------------------------------------------------------------
+# Reports: JSON, markdown, plots.
+
+
+def _fmt(xs: Sequence, fmt: str = "{:.4f}") -> str:
+  xs = [x for x in xs if x is not None]
+  if not xs:
+    return "n/a"
+  m = fmt.format(float(np.mean(xs)))
+  return m if len(xs) < 2 else f"{m} ± {fmt.format(float(np.std(xs, ddof=1)))}"
+
+
+def study_table(summaries: dict, comp: dict, target: float) -> str:
+  a = [summaries["adamw"][k] for k in comp["seeds"]]
+  s = [summaries["stiefel"][k] for k in comp["seeds"]]
+  st, fv, mn = (comp["steps_to_target"], comp["final_val_acc"],
+                comp["min_val_acc_after"])
+  pct = int(round(100 * target))
+  rows = [
+      "| metric (mean ± sd over seeds) | adamw | stiefel | stiefel − adamw |"
+      " test | seeds stiefel better / adamw better |",
+      "|---|---|---|---|---|---|",
+      f"| steps to {pct}% val acc (never: counted as steps+1) |"
+      f" {_fmt([r['steps_to_target'] for r in a], '{:.0f}')}"
+      f" (never {comp['n_never_adamw']}) |"
+      f" {_fmt([r['steps_to_target'] for r in s], '{:.0f}')}"
+      f" (never {comp['n_never_stiefel']}) | {st['mean_diff']:+.0f} |"
+      f" paired t p = {st['p']:.3g}, Wilcoxon p = {st['wilcoxon_p']:.3g} |"
+      f" {st['losses']} / {st['wins']} |",
+      f"| final val acc | {_fmt([r['final_val_acc'] for r in a])} |"
+      f" {_fmt([r['final_val_acc'] for r in s])} | {fv['mean_diff']:+.4f} |"
+      f" paired t p = {fv['p']:.3g} | {fv['wins']} / {fv['losses']} |",
+      f"| min val acc after reaching {pct}% |"
+      f" {_fmt([r['min_val_acc_after'] for r in a])} |"
+      f" {_fmt([r['min_val_acc_after'] for r in s])} | |"
+      f" Welch p = {mn.get('p', float('nan')):.3g} | |",
+      f"| final train acc | {_fmt([r['final_train_acc'] for r in a])} |"
+      f" {_fmt([r['final_train_acc'] for r in s])} | | | |",
+      f"| mean Q/K isometry error (per frame) |"
+      f" {_fmt([r['mean_iso'] for r in a], '{:.3g}')} |"
+      f" {_fmt([r['mean_iso'] for r in s], '{:.3g}')} | | | |",
+      f"| mean per-step Q/K movement (per frame) |"
+      f" {_fmt([r['mean_move'] for r in a], '{:.3g}')} |"
+      f" {_fmt([r['mean_move'] for r in s], '{:.3g}')} | | | |",
+      f"| final norm of all non-Q/K weights |"
+      f" {_fmt([r['final_other_norm'] for r in a], '{:.2f}')} |"
+      f" {_fmt([r['final_other_norm'] for r in s], '{:.2f}')} | | | |",
+  ]
+  return "\n".join(rows)
+
+
+def mechanism_table(iso: dict, moves: dict) -> str:
+  rows = ["| mechanism number | measured | paper |", "|---|---|---|"]
+  for key, label in (("adamw_over_rsgd", "riemannian_sgd"),
+                     ("adamw_over_stiefel", "stiefel_adam")):
+    if key in moves:
+      m = moves[key]
+      rows.append(
+          f"| per-step Q/K movement, AdamW / {label} (first {m['steps']}"
+          f" steps, per-seed range) | {m['mean']:.1f}x"
+          f" ({m['min']:.1f}–{m['max']:.1f}x) |"
+          f" {'24–40x (CIFAR, riemannian_sgd)' if label == 'riemannian_sgd' else '—'} |")
+  rows.append(
+      f"| Q/K isometry error, AdamW / Stiefel through training (geometric"
+      f" mean over logged steps, range) | {iso['geomean']:.3g}"
+      f" ({iso['min']:.3g}–{iso['max']:.3g}) | ~1e6 |")
+  rows.append(f"| Stiefel arm's largest mean isometry error | "
+              f"{iso['stiefel_max']:.3g} | |")
+  return "\n".join(rows)
+
+
+def long_table(long_runs: dict, target: float, iso: Optional[dict]) -> str:
+  rows = ["| long run (one seed) | steps | final val acc | max val acc |"
+          f" min val acc after {int(round(100 * target))}% |"
+          " logged steps below 90% after it | final non-Q/K norm |",
+          "|---|---|---|---|---|---|---|"]
+  for arm, run in long_runs.items():
+    h = run["history"]
+    hit = steps_to_target(h, target)
+    below = (sum(1 for s, a in zip(h["step"], h["val_acc"])
+                 if s >= hit and a < 0.9) if hit is not None else None)
+    mn = min_after(h, hit)
+    rows.append(f"| {arm} (seed {run['seed']}) | {h['step'][-1]} |"
+                f" {h['val_acc'][-1]:.4f} | {max(h['val_acc']):.4f} |"
+                f" {'n/a' if mn is None else f'{mn:.4f}'} |"
+                f" {'n/a' if below is None else below} |"
+                f" {other_norm_curve(h)[-1]:.2f} |")
+  if iso is not None:
+    rows.append(f"\nIsometry error ratio AdamW / Stiefel over the long run:"
+                f" geometric mean {iso['geomean']:.3g}, range"
+                f" {iso['min']:.3g}–{iso['max']:.3g}.")
+  return "\n".join(rows)
+
+
+def plot_runs(runs: dict, path: Path, title: str) -> None:
+  """Validation accuracy, Q/K isometry error and non-Q/K weight norm
+  against step, every seed of both arms."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  colors = {"adamw": "tab:red", "stiefel": "tab:blue"}
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for arm, by_seed in runs.items():
+    for i, (seed, r) in enumerate(sorted(by_seed.items())):
+      h = r["history"]
+      lab = arm if i == 0 else None
+      axes[0].plot(h["step"], h["val_acc"], color=colors[arm], alpha=0.7,
+                   lw=1, label=lab)
+      axes[1].semilogy(h["step"], iso_curve(h), color=colors[arm], alpha=0.7,
+                       lw=1, label=lab)
+      axes[2].plot(h["step"], other_norm_curve(h), color=colors[arm],
+                   alpha=0.7, lw=1, label=lab)
+  for ax, ylabel in zip(axes, ("validation accuracy",
+                               "Q/K isometry error ||W^T W - I||_F (mean frame)",
+                               "norm of non-Q/K weights")):
+    ax.set_xlabel("step (full batch = epoch)")
+    ax.set_ylabel(ylabel)
+    ax.legend()
+  fig.suptitle(title)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# --------------------------------------------------------------------------
+# The study.
+
+
+def schedule(study: Study) -> list:
+  """(arm, seed, steps) in run order: the seed study first, then the long
+  seed continued, then the rsgd probe."""
+  jobs = [(arm, seed, study.steps) for seed in study.seeds
+          for arm in study.arms]
+  if study.probe_steps:
+    jobs += [(PROBE_ARM, seed, study.probe_steps) for seed in study.seeds]
+  if study.long_steps > study.steps:
+    jobs += [(arm, study.long_seed, study.long_steps) for arm in study.arms]
+  return jobs
+
+
+def machine() -> dict:
+  return dict(nproc=os.cpu_count(),
+              usable_cpus=len(os.sched_getaffinity(0))
+              if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+              platform=platform.platform(), processor=platform.processor(),
+              python=platform.python_version(), jax=jax.__version__,
+              backend=jax.default_backend(),
+              loadavg_start=list(os.getloadavg()))
+
+
+def saved_study(cfg: Config, study: Study, out: Path) -> dict:
+  """Every saved run of the study as it is (partial runs included)."""
+  runs = {arm: {} for arm in study.arms + (PROBE_ARM,)}
+  for arm, seed, _ in schedule(study):
+    run = load_run(cfg, arm, seed, out)
+    if run is not None:
+      runs[arm][seed] = run
+  return runs
+
+
+def remaining(cfg: Config, job: tuple, out: Optional[Path]) -> int:
+  arm, seed, steps = job
+  run = load_run(cfg, arm, seed, out) if out is not None else None
+  return max(0, steps - (run["history"]["step"][-1] if run else 0))
+
+
+def part_of(cfg: Config, jobs: list, out: Optional[Path], part: int,
+            parts: int) -> list:
+  """The jobs of `part` (0-based) of `parts` processes: jobs of the same
+  (arm, seed) stay together, groups go greedily (largest remaining steps
+  first) to the least loaded part, so parallel processes balance and never
+  train the same run."""
+  groups = {}
+  for job in jobs:
+    groups.setdefault(job[:2], []).append(job)
+  load, assign = [0] * parts, [[] for _ in range(parts)]
+  for key in sorted(groups, key=lambda k: -max(
+      remaining(cfg, j, out) for j in groups[k])):
+    i = load.index(min(load))
+    load[i] += max(remaining(cfg, j, out) for j in groups[key])
+    assign[i] += groups[key]
+  return [j for j in jobs if j in assign[part]]
+
+
+def run_study(cfg: Config, study: Study, out: Optional[Path],
+              show_progress: bool = False, part: int = 0,
+              parts: int = 1) -> dict:
+  """Runs (or resumes) every job (or one part of them); returns the runs
+  keyed arm -> seed."""
+  jobs = schedule(study)
+  if parts > 1:
+    jobs = part_of(cfg, jobs, out, part, parts)
+  bar = None
+  if show_progress:
+    from tqdm import tqdm
+    bar = tqdm(total=sum(j[2] for j in jobs), unit="step", desc="grokking",
+               mininterval=5.0)
+  runs = {arm: {} for arm in study.arms + (PROBE_ARM,)}
+  for arm, seed, steps in jobs:
+    if bar is not None:
+      bar.set_postfix_str(f"{arm} seed {seed} -> {steps}")
+    runs[arm][seed] = train_run(cfg, arm, seed, steps, out, bar)
+  if bar is not None:
+    bar.close()
+  return runs
+
+
+def reached_study(study: Study, runs: dict) -> Study:
+  """The study cut to what the saved runs reached (for a partial report):
+  seeds whose both arms reached `steps`, steps cut to the common minimum."""
+  def last(arm, seed):
+    r = runs[arm].get(seed)
+    return r["history"]["step"][-1] if r else 0
+  seeds = tuple(s for s in study.seeds
+                if all(last(a, s) > 0 for a in study.arms))
+  steps = min([min(last(a, s), study.steps) for s in seeds
+               for a in study.arms] or [0])
+  long_steps = min([last(a, study.long_seed) for a in study.arms] or [0])
+  probe = min([last(PROBE_ARM, s) for s in seeds] or [0])
+  return dataclasses.replace(study, seeds=seeds, steps=steps,
+                             long_steps=long_steps if long_steps > steps else 0,
+                             probe_steps=probe)
+
+
+def analyse(cfg: Config, study: Study, runs: dict) -> dict:
+  """Statistics, mechanism numbers and the long run from the raw runs."""
+  main = {arm: {s: truncate(runs[arm][s], study.steps) for s in study.seeds}
+          for arm in study.arms}
+  summaries = {arm: {s: run_summary(r, cfg.target_acc) for s, r in by.items()}
+               for arm, by in main.items()}
+  comp = compare_arms(summaries, study.steps)
+  res = dict(summaries=summaries, comparison=comp, verdict=winner(comp),
+             isometry_ratio=iso_ratio(list(main["adamw"].values()),
+                                      list(main["stiefel"].values())),
+             movement=movement_ratios(main, runs[PROBE_ARM], study.probe_steps)
+             if study.probe_steps else {})
+  if study.long_steps > study.steps:
+    longs = {arm: runs[arm][study.long_seed] for arm in study.arms}
+    res["long"] = dict(
+        summaries={a: run_summary(r, cfg.target_acc) for a, r in longs.items()},
+        isometry_ratio=iso_ratio([longs["adamw"]], [longs["stiefel"]]))
+  return res
+
+
+def markdown(cfg: Config, study: Study, res: dict, runs: dict,
+             meta: dict) -> str:
+  parts = [
+      f"Task (a {cfg.op} b) mod {cfg.p}, train fraction {cfg.train_fraction},"
+      f" full batch; {cfg.num_layers}-layer transformer d = {cfg.d_model},"
+      f" {cfg.num_heads} heads, MLP {cfg.d_mlp}; AdamW lr {cfg.learning_rate}"
+      f" (b1 {cfg.b1}, b2 {cfg.b2}), weight decay {cfg.weight_decay};"
+      f" Stiefel lr {cfg.stiefel_learning_rate or cfg.learning_rate}, trust"
+      f" region {cfg.max_step_norm}; rsgd lr {cfg.rsgd_learning_rate}."
+      f" Seeds {list(study.seeds)} x {study.steps} steps"
+      + (f"; seed {study.long_seed} continued to {study.long_steps} steps"
+         if study.long_steps > study.steps else "") + ".",
+      "",
+      study_table(res["summaries"], res["comparison"], cfg.target_acc),
+      "",
+      "**" + res["verdict"] + "**",
+      "",
+      mechanism_table(res["isometry_ratio"], res["movement"]),
+  ]
+  if "long" in res:
+    longs = {arm: runs[arm][study.long_seed] for arm in study.arms}
+    parts += ["", long_table(longs, cfg.target_acc,
+                             res["long"]["isometry_ratio"])]
+  parts += ["", f"Command: `{meta['command']}`; machine: {meta['machine']['nproc']}"
+            f" CPUs ({meta['machine']['platform']}, {meta['machine']['backend']});"
+            f" wall time {meta['wall_s']:.0f} s this invocation,"
+            f" {meta['run_wall_s']:.0f} s wall and {meta['run_cpu_s']:.0f} s"
+            f" CPU (all threads) summed over the runs' training (including"
+            f" earlier resumed invocations); load average at start"
+            f" {meta['machine']['loadavg_start'][0]:.1f}."]
+  return "\n".join(parts)
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(
+      prog="python -m benchmarks.grokking", description=__doc__.split("\n")[0])
+  p.add_argument("--full", action="store_true",
+                 help="the longer study (5 seeds per arm + one long run)")
+  p.add_argument("--steps", type=int, help="steps per seed")
+  p.add_argument("--seeds", type=int, help="number of seeds per arm")
+  p.add_argument("--long-steps", type=int, help="long run's steps (0: none)")
+  p.add_argument("--probe-steps", type=int, help="rsgd probe steps (0: none)")
+  p.add_argument("--log-every", type=int, help="steps per logged record")
+  p.add_argument("--p", type=int, help="the prime modulus")
+  p.add_argument("--train-fraction", type=float)
+  p.add_argument("--op", choices=modular.OPS)
+  p.add_argument("--d-model", type=int)
+  p.add_argument("--num-heads", type=int)
+  p.add_argument("--d-mlp", type=int)
+  p.add_argument("--num-layers", type=int)
+  p.add_argument("--learning-rate", type=float)
+  p.add_argument("--out", type=Path, help="results folder")
+  p.add_argument("--no-plots", action="store_true")
+  p.add_argument("--part", default="0/1",
+                 help="K/N: run only part K of N parallel processes (then"
+                      " report with --report-only)")
+  p.add_argument("--report-only", action="store_true",
+                 help="no training: report the saved (possibly partial) runs")
+  p.add_argument("--no-progress", action="store_true")
+  return p.parse_args(argv)
+
+
+def configure(args) -> tuple:
+  cfg = Config()
+  overrides = {k: getattr(args, k) for k in
+               ("p", "log_every", "train_fraction", "op", "d_model",
+                "num_heads", "d_mlp", "num_layers", "learning_rate") if getattr(args, k) is not None}
+  if args.d_model and not args.d_mlp:
+    overrides["d_mlp"] = 4 * args.d_model
+  cfg = dataclasses.replace(cfg, **overrides)
+  study = FULL_STUDY if args.full else DEFAULT_STUDY
+  study = dataclasses.replace(
+      study,
+      steps=args.steps if args.steps is not None else study.steps,
+      seeds=tuple(range(args.seeds)) if args.seeds else study.seeds,
+      long_steps=args.long_steps if args.long_steps is not None
+      else study.long_steps,
+      probe_steps=args.probe_steps if args.probe_steps is not None
+      else study.probe_steps)
+  for name in ("steps", "long_steps", "probe_steps"):
+    n = getattr(study, name)
+    if n % cfg.log_every:
+      raise SystemExit(f"--{name.replace('_', '-')} = {n} must be a multiple"
+                       f" of log_every = {cfg.log_every}.")
+  out = args.out or RESULTS_DIR / ("full" if args.full else "default")
+  return cfg, study, out
+
+
+def main(argv=None) -> dict:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  cfg, study, out = configure(args)
+  t0 = time.time()
+  meta = dict(command=" ".join(["python -m benchmarks.grokking"] + argv),
+              machine=machine(),
+              started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+  c0 = time.process_time()
+  if args.report_only:
+    runs = saved_study(cfg, study, out)
+    study = reached_study(study, runs)
+  else:
+    part, parts = (int(x) for x in args.part.split("/"))
+    runs = run_study(cfg, study, out, not args.no_progress, part, parts)
+    if parts > 1:
+      runs = saved_study(cfg, study, out)
+      study = reached_study(study, runs)
+  res = analyse(cfg, study, runs)
+  meta.update(wall_s=time.time() - t0, cpu_s=time.process_time() - c0,
+              loadavg_end=list(os.getloadavg()),
+              run_cpu_s=sum(r.get("cpu_s", 0.0) for by in runs.values()
+                            for r in by.values()),
+              run_wall_s=sum(r["wall_s"] for by in runs.values()
+                             for r in by.values()),
+              run_wall_s_each={f"{a}_seed{s}": r["wall_s"]
+                               for a, by in runs.items() for s, r in by.items()})
+  table = markdown(cfg, study, res, runs, meta)
+  write_json(out / "results.json", dict(
+      meta=meta, config=dataclasses.asdict(cfg),
+      study=dataclasses.asdict(study), **res))
+  (out / "table.md").write_text(table + "\n")
+  if not args.no_plots:
+    main_runs = {a: {s: truncate(runs[a][s], study.steps) for s in study.seeds}
+                 for a in study.arms}
+    plot_runs(main_runs, out / "study.png",
+              f"(a {cfg.op} b) mod {cfg.p}: {len(study.seeds)} seeds per arm")
+    if "long" in res:
+      plot_runs({a: {study.long_seed: runs[a][study.long_seed]}
+                 for a in study.arms}, out / "long_run.png",
+                f"long run, seed {study.long_seed}")
+  print(table)
+  print(f"\nresults: {out}")
+  return dict(meta=meta, results=res, table=table)
+
+
+if __name__ == "__main__":
+  main()
