@@ -258,8 +258,11 @@ def _stiefel_group(learning_rate, b1, b2, eps, max_step_norm, retraction,
         learning_rate, b1, b2, eps,
         max_step_norm=None if max_step_norm is None else float(max_step_norm),
         retraction=retraction, mu_dtype=mu_dtype)
-  if not isinstance(max_step_norm, jax.core.Tracer):
+  try:
     value = float(max_step_norm)
+  except jax.errors.ConcretizationTypeError:      # traced: checked at init
+    value = None
+  if value is not None:
     upper = 1.0 if retraction == "newton_schulz" else np.inf
     if not 0.0 < value <= upper:
       raise ValueError(

@@ -89,7 +89,9 @@ def _assert_euclidean_match(params, ref_params, labels):
   euclid = [p for p, l in lab.items() if l == so.EUCLIDEAN]
   assert len(euclid) >= 8, euclid
   for p in euclid:
-    np.testing.assert_allclose(got[p], want[p], rtol=1e-5, atol=1e-6,
+    # Bit-identical on XLA:CPU; the tolerance only allows for a different
+    # fusion of the same arithmetic (a few float32 ulps after 50 steps).
+    np.testing.assert_allclose(got[p], want[p], rtol=1e-6, atol=1e-7,
                                err_msg=p)
   return euclid
 
@@ -291,9 +293,11 @@ def _random_tree(shapes, seed=0):
 
 
 def _one_step_and_state(tx, params, seed=1):
+  """One eager update from tx.init: (new params, state). Eager, because
+  the small per-op programs are cached across tests and tiny trees."""
   state = tx.init(params)
-  grads = jax.tree.map(lambda w: jax.random.normal(jax.random.key(seed), w.shape),
-                       params)
+  grads = jax.tree.map(
+      lambda w: jax.random.normal(jax.random.key(seed), w.shape), params)
   upd, state = tx.update(grads, state, params)
   return optax.apply_updates(params, upd), state
 
@@ -583,15 +587,18 @@ def test_check_frames_names_leaf_and_error(linen_params):
 
 _MANY_KERNELS = textwrap.dedent("""
     import sys
+    import numpy as np
     import jax, jax.numpy as jnp, optax
     import stiefel_optax as so
 
-    # Four attention layers as Flax lays them out: 8 query/key kernels.
-    keys = iter(jax.random.split(jax.random.key(0), 32))
-    p0 = so.orthonormalize({f"layers_{i}": {
-        n: {"kernel": jax.random.normal(next(keys), (16, 2, 8)),
-            "bias": jnp.zeros((2, 8))} for n in ("query", "key", "value")}
-        for i in range(4)})
+    # Four attention layers as Flax lays them out, (d, heads, head_dim):
+    # 8 query/key kernels with orthonormal per-head frames (numpy QR).
+    rng = np.random.default_rng(0)
+    def frames():
+      q = np.linalg.qr(rng.standard_normal((2, 16, 8)))[0]   # (heads, d, r)
+      return jnp.asarray(q.transpose(1, 0, 2), jnp.float32)
+    p0 = {f"layers_{i}": {n: {"kernel": frames(), "bias": jnp.zeros((2, 8))}
+                          for n in ("query", "key", "value")} for i in range(4)}
     n = sum(l == so.STIEFEL for l in jax.tree.leaves(so.qk_labels(p0)))
     for retraction in sys.argv[1:]:
       tx = so.stiefel_attention(1e-2, retraction=retraction)
@@ -600,13 +607,15 @@ _MANY_KERNELS = textwrap.dedent("""
       def step(p, s, key):
         g = jax.tree.map(lambda w: jax.random.normal(key, w.shape), p)
         u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
+        p = optax.apply_updates(p, u)
+        moved = jnp.min(jnp.stack([jnp.min(m) for m in
+                                   so.frame_movement(p0, p).values()]))
+        return p, s, so.max_isometry_error(p), moved
 
       p, s = p0, tx.init(p0)
       for t in range(3):
-        p, s = step(p, s, jax.random.key(t))
-      moved = min(float(jnp.min(m)) for m in so.frame_movement(p0, p).values())
-      print(retraction, n, float(so.max_isometry_error(p)), moved, flush=True)
+        p, s, err, moved = step(p, s, jax.random.key(t))
+      print(retraction, n, float(err), float(moved), flush=True)
 """)
 
 
