@@ -70,6 +70,9 @@ def loss_fn(params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+eval_loss = jax.jit(loss_fn)
+
+
 @jax.jit
 def step(params, state, x, y):
   loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
@@ -100,19 +103,30 @@ def restore(path, tx, params_like):
     return ckpt.restore(path, abstract)
 
 
-def library_hash():
-  """Hash of the stiefel_optax sources this process imported (a resume can
-  only be bit-identical if both processes run the same code)."""
-  h = hashlib.sha256()
+def library_sources():
+  """{file name: bytes} of the stiefel_optax package as this process found
+  it when it imported it."""
   root = os.path.dirname(so.__file__)
+  out = {}
   for name in sorted(os.listdir(root)):
     if name.endswith(".py"):
       with open(os.path.join(root, name), "rb") as f:
-        h.update(name.encode() + f.read())
+        out[name] = f.read()
+  return out
+
+
+def library_hash(sources):
+  h = hashlib.sha256()
+  for name, text in sorted(sources.items()):
+    h.update(name.encode() + text)
   return h.hexdigest()
 
 
-LIBRARY_HASH = library_hash()
+# Read at import: a resume can only be bit-identical if both processes run
+# the same code, so the fresh process imports this snapshot (the sources
+# may be edited while the suite runs).
+LIBRARY = library_sources()
+LIBRARY_HASH = library_hash(LIBRARY)
 
 
 def flat(tree):
@@ -139,7 +153,7 @@ def resume_main(ckpt_dir, out, seed=0):
                                 TOTAL)
   leaves = flat({"params": params, "opt_state": state})
   np.savez(out, losses=losses, start=int(restored["step"]),
-           library=LIBRARY_HASH,
+           library=LIBRARY_HASH, library_file=so.__file__,
            paths=np.array([p for p, _ in leaves]),
            **{f"leaf{i}": x for i, (_, x) in enumerate(leaves)})
 
@@ -162,8 +176,8 @@ def test_same_seed_same_result_and_seed_matters():
   # It trains: the loss on held-out batches falls.
   start = setup(0)[0]
   held_out = [batch(7, t) for t in range(4)]
-  before = np.mean([loss_fn(start, *xy) for xy in held_out])
-  after = np.mean([loss_fn(a[0], *xy) for xy in held_out])
+  before = np.mean([eval_loss(start, *xy) for xy in held_out])
+  after = np.mean([eval_loss(a[0], *xy) for xy in held_out])
   assert after < before
 
 
@@ -197,17 +211,20 @@ def test_resume_in_fresh_process_is_bit_identical(tmp_path):
   save(ckpt_dir, params, state, SAVE_AT)
 
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  lib = tmp_path / "lib"
+  (lib / "stiefel_optax").mkdir(parents=True)
+  for name, text in LIBRARY.items():
+    (lib / "stiefel_optax" / name).write_bytes(text)
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [repo] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+      [str(lib), repo] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
   proc = subprocess.run(
       [sys.executable, os.path.abspath(__file__), "resume", ckpt_dir, out],
       cwd=repo, env=env, capture_output=True, text=True, timeout=240)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
   res = np.load(out)
-  assert str(res["library"]) == LIBRARY_HASH, (
-      "stiefel_optax's sources changed between this process and the resumed"
-      " one; rerun")
+  assert str(res["library_file"]).startswith(str(lib))
+  assert str(res["library"]) == LIBRARY_HASH
   assert int(res["start"]) == SAVE_AT
   np.testing.assert_array_equal(res["losses"], full_losses[SAVE_AT:])
   want = flat({"params": full_params, "opt_state": full_state})
