@@ -262,8 +262,9 @@ def test_scanned_layers_kernels_batch_their_frames(linen_params):
 def test_weight_decay_leaves_frames_untouched(linen_params):
   params = linen_params
   labels = _leaves_by_path(so.qk_labels(params))
+  start = _leaves_by_path(params)
 
-  def run(weight_decay):
+  def run_injected(weight_decay):          # jitted once, decay as an array
     p, state = params, INJECTED.init(params)
     state.hyperparams["weight_decay"] = jnp.float32(weight_decay)
     for t in range(5):
@@ -271,16 +272,25 @@ def test_weight_decay_leaves_frames_untouched(linen_params):
       p = optax.apply_updates(p, u)
     return _leaves_by_path(p)
 
-  no_decay, decay = run(0.0), run(0.5)
-  for p, l in labels.items():
-    if l == so.STIEFEL:
-      np.testing.assert_array_equal(decay[p], no_decay[p], err_msg=p)
-      assert float(jnp.max(jnp.abs(decay[p] - _leaves_by_path(params)[p]))) > 1e-3
-  # The decay acts on every Euclidean kernel: smaller than without it.
-  for p in ("attn/value/kernel", "attn/out/kernel", "mlp_in/kernel",
-            "mlp_out/kernel"):
-    assert float(jnp.linalg.norm(decay[p])) < 0.995 * float(
-        jnp.linalg.norm(no_decay[p])), p
+  def run_default(weight_decay):           # the plain factory, eagerly
+    tx = so.stiefel_attention(LR, weight_decay=weight_decay)
+    p, state = params, tx.init(params)
+    for t in range(3):
+      u, state = tx.update(_grads_like(params, t), state, p)
+      p = optax.apply_updates(p, u)
+    return _leaves_by_path(p)
+
+  for run in (run_injected, run_default):
+    no_decay, decay = run(0.0), run(0.5)
+    for p, l in labels.items():
+      if l == so.STIEFEL:
+        np.testing.assert_array_equal(decay[p], no_decay[p], err_msg=p)
+        assert float(jnp.max(jnp.abs(decay[p] - start[p]))) > 1e-3
+    # The decay acts on every Euclidean kernel: smaller than without it.
+    for p in ("attn/value/kernel", "attn/out/kernel", "mlp_in/kernel",
+              "mlp_out/kernel"):
+      assert float(jnp.linalg.norm(decay[p])) < 0.995 * float(
+          jnp.linalg.norm(no_decay[p])), (run.__name__, p)
 
 
 # --------------------------------------------------------------------------
