@@ -309,24 +309,33 @@ def test_low_precision_dtypes_and_mu_dtype():
 
 
 def test_low_precision_geometry_runs_in_float32():
-  """One bf16 step lands within bf16 rounding of the float32 step from the
-  same (rounded) frames: the geometry is not done in bf16."""
+  """Each Stiefel transform, given bf16 (or f16) frames, gradients and state,
+  returns exactly its float32 result on the upcast inputs, rounded once to
+  the dtype: the geometry runs in float32 inside and casts back."""
   w32 = so.random_frames(jax.random.PRNGKey(4), (3, 16, 4))
-  w16 = w32.astype(jnp.bfloat16)
-  g = jax.random.normal(jax.random.PRNGKey(5), w32.shape)
-  out = {}
-  for dt in (jnp.float32, jnp.bfloat16):
-    tx = so.stiefel_adam(0.05)
-    w = w16.astype(dt)
-    u, _ = tx.update(g.astype(dt), tx.init(w), w)
-    out[dt] = (w.astype(jnp.float32) + u.astype(jnp.float32))
-  diff = float(jnp.max(jnp.abs(out[jnp.float32] - out[jnp.bfloat16])))
-  assert diff <= 2 * float(jnp.finfo(jnp.bfloat16).eps)
-  # The retraction itself: polar of a bf16 frame, computed in float32, is
-  # orthonormal to float32 precision before the cast back.
-  a = so.geometry.retract(w16, jnp.zeros_like(w16)).astype(jnp.float32)
-  assert float(jnp.max(so.isometry_error(a))) <= 8 * float(
-      jnp.finfo(jnp.bfloat16).eps)
+  g32 = jax.random.normal(jax.random.PRNGKey(5), w32.shape)
+  # A tangent step of norm ~0.2 per frame, for the retraction.
+  xi32 = 0.05 * so.project_tangent(w32, g32)
+  up = lambda x: x.astype(jnp.float32)
+  for low in (jnp.bfloat16, jnp.float16):
+    w = w32.astype(low)
+    for tx, g in ((so.project_to_tangent(), g32), (so.scale_by_frame_adam(), g32),
+                  (so.clip_frame_norm(0.1), xi32), (so.retract_polar(), xi32)):
+      g = g.astype(low)
+      state = tx.init(w)
+      u_low, s_low = tx.update(g, state, w)
+      u_32, s_32 = tx.update(up(g), tx.init(up(w)), up(w))
+      assert u_low.dtype == low
+      np.testing.assert_array_equal(np.asarray(u_low),
+                                    np.asarray(u_32.astype(low)))
+      for a, b in zip(jax.tree.leaves(s_low), jax.tree.leaves(s_32)):
+        np.testing.assert_array_equal(np.asarray(a),
+                                      np.asarray(b.astype(a.dtype)))
+    # A low-precision frame retracts to within one rounding of orthonormal.
+    new = optax.apply_updates(w, so.retract_polar().update(
+        jnp.zeros_like(w), None, w)[0])
+    assert float(jnp.max(so.isometry_error(up(new)))) <= 8 * float(
+        jnp.finfo(low).eps)
 
 
 # ---------------------------------------------------------------------------
