@@ -248,10 +248,10 @@ def _stiefel_group(learning_rate, b1, b2, eps, max_step_norm, retraction,
 
   `optax.inject_hyperparams` turns every numeric argument into an array that
   is traced under jit. The cap then uses the traced radius, and the
-  Newton–Schulz retraction (whose iteration count must be static) is sized
-  for steps up to norm 1, so an injected radius must lie in (0, 1] (checked
-  whenever its value is concrete). Pass static_args=('max_step_norm',) to
-  size the retraction for a fixed radius instead.
+  Newton–Schulz retraction, whose iteration count cannot be fixed from a
+  traced radius, finds it at run time from the actual step norms
+  (`retract_polar(max_step_norm=None)`), so any radius, changed between
+  steps or not, is retracted to rounding. A concrete radius must be > 0.
   """
   if max_step_norm is None or isinstance(max_step_norm, (int, float, np.number)):
     return aliases.stiefel_adam(
@@ -262,20 +262,16 @@ def _stiefel_group(learning_rate, b1, b2, eps, max_step_norm, retraction,
     value = float(max_step_norm)
   except jax.errors.ConcretizationTypeError:      # traced: checked at init
     value = None
-  if value is not None:
-    upper = 1.0 if retraction == "newton_schulz" else np.inf
-    if not 0.0 < value <= upper:
-      raise ValueError(
-          f"stiefel_attention: an array-valued (injected) max_step_norm must"
-          f" lie in (0, {upper}] with retraction={retraction!r}; got {value}."
-          " Pass static_args=('max_step_norm',) to optax.inject_hyperparams"
-          " for a larger fixed radius.")
+  if value is not None and not value > 0.0:
+    raise ValueError(
+        f"stiefel_attention: max_step_norm must be > 0 (or None for no trust"
+        f" region); got {value}.")
   return optax.chain(
       transforms.project_to_tangent(),
       transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype),
       optax.scale_by_learning_rate(learning_rate),
       _clip_frame_norm_traced(max_step_norm),
-      transforms.retract_polar(retraction, max_step_norm=1.0))
+      transforms.retract_polar(retraction, max_step_norm=None))
 
 
 def _euclidean_eps(eps):
@@ -336,8 +332,7 @@ def stiefel_attention(
 
   Composes with `optax.inject_hyperparams`, which may schedule or change
   between steps learning_rate, stiefel_learning_rate, weight_decay, b1, b2,
-  eps and max_step_norm (an injected max_step_norm must be <= 1 with the
-  Newton–Schulz retraction; see `_stiefel_group`):
+  eps and max_step_norm (see `_stiefel_group`):
 
       tx = optax.inject_hyperparams(stiefel_attention)(learning_rate=1e-3)
       state.hyperparams['learning_rate'] = 3e-4     # between steps
