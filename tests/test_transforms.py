@@ -280,18 +280,18 @@ def test_default_retraction_is_newton_schulz(frames, normal):
 # Batching, shapes, dtypes
 
 
-def test_batched_frames_equal_a_loop_over_single_frames(variant, x64, frames,
+def test_batched_frames_equal_a_loop_over_single_frames(x64, frames,
                                                         certificate):
-  """One (2, 2, 8, 4) leaf == four separate (8, 4) leaves, over 5 steps."""
+  """One (2, 2, 8, 4) leaf == four separate (8, 4) leaves, over 3 steps."""
   a, b = quadratic_problem(8, (2, 2), seed=2)
   ja, jb = jnp.asarray(a), jnp.asarray(b)
   w0 = frames(20, (2, 2, 8, 4))
   tx = so.stiefel_adam(0.1, eps=0.0)
-  batched = trajectory(tx, w0, lambda w: -ja @ w + jb, 5, variant)
+  batched = trajectory(tx, w0, lambda w: -ja @ w + jb, 3, jax.jit)
   singles = {f"{i}{j}": w0[i, j] for i in range(2) for j in range(2)}
   looped = trajectory(
       tx, singles, lambda ws: {k: -ja @ w + jb[int(k[0]), int(k[1])]
-                               for k, w in ws.items()}, 5, variant)
+                               for k, w in ws.items()}, 3, jax.jit)
   err = max(rel(looped[f"{i}{j}"], batched[:, i, j]) for i in range(2)
             for j in range(2))
   certificate("transforms: batched vs loop over frames (f64)", err)
@@ -302,12 +302,9 @@ def test_shapes_and_dtypes_are_preserved(variant, frames, normal):
   """Updates, moments and the new frames keep each leaf's shape and dtype;
   nu has one entry per frame; low precision is computed in float32."""
   params = {"a": frames(21, (8, 4)), "b": frames(22, (2, 16, 4)),
-            "c": frames(23, (2, 3, 4, 4), jnp.bfloat16),
-            "d": frames(24, (8, 8), jnp.float16)}
+            "c": frames(23, (2, 3, 4, 4), jnp.bfloat16)}
   grads = jax.tree.map(lambda w: normal(25, w.shape, w.dtype), params)
-  # Both retractions under jit; the default one without jit.
-  methods = METHODS if variant is jax.jit else ("newton_schulz",)
-  for method in methods:
+  for method in ("newton_schulz",) if variant is jax.jit else ("eigh",):
     tx = so.stiefel_adam(0.05, retraction=method)
     state = tx.init(params)
     u, state = variant(tx.update)(grads, state, params)
@@ -316,7 +313,7 @@ def test_shapes_and_dtypes_are_preserved(variant, frames, normal):
       assert u[k].shape == w.shape and u[k].dtype == w.dtype, k
       assert new[k].shape == w.shape and new[k].dtype == w.dtype, k
       err = float(jnp.max(so.isometry_error(new[k].astype(jnp.float32))))
-      assert err <= {"a": 3e-6, "b": 3e-6, "c": 0.05, "d": 5e-3}[k], (k, err)
+      assert err <= {"a": 3e-6, "b": 3e-6, "c": 0.05}[k], (k, err)
     adam_state = state[1]
     assert jax.tree.map(jnp.shape, adam_state.nu) == {
         k: w.shape[:-2] for k, w in params.items()}
@@ -446,3 +443,21 @@ def test_uncapped_newton_schulz_one_bad_frame_does_not_stop_the_others(
   out = so.retract(w, xi, "newton_schulz", max_step_norm=None)
   good = np.asarray(so.isometry_error(out[jnp.array([0, 2])]))
   assert good.max() <= 3e-6
+
+
+def test_small_tangent_part_of_a_large_gradient_float32(variant, frames,
+                                                        normal):
+  """G = W S (normal, S symmetric, ||G|| ~ 1e3) plus a tangent part of norm
+  ~1e-2: the first Adam step is u = g / ||g|| with ||u||_F = 1 and finite.
+  Computing ||g||^2 as ||G||^2 - ||sym(W^T G)||^2 would cancel to noise
+  (or a negative v) here in float32; v must come from g itself."""
+  w = frames(31, (3, 8, 4))
+  s = so.sym(normal(32, (3, 4, 4)))
+  tangent = so.project_tangent(w, normal(33, w.shape))
+  g_big = 300.0 * w @ s + 1e-2 * tangent
+  tx = optax.chain(so.project_to_tangent(), so.scale_by_frame_adam(eps=0.0))
+  u, state = variant(tx.update)(g_big, tx.init(w), w)
+  assert bool(jnp.all(jnp.isfinite(u)))
+  np.testing.assert_allclose(jnp.linalg.norm(u, axis=(-2, -1)), 1.0,
+                             rtol=1e-4)
+  assert float(jnp.min(state[1].nu)) > 0.0
