@@ -404,7 +404,11 @@ def orthonormalize(params, labels=None, *, method: str = "eigh",
 
   def fn(a):
     q = geometry.polar(a, method)
-    return geometry.polar(q, "newton_schulz", num_steps=2)
+    polished = geometry.polar(q, "newton_schulz", num_steps=2)
+    # Keep the polish only where it helped (it cannot when A was so close to
+    # rank-deficient that the first factor is far off the manifold).
+    better = geometry.isometry_error(polished) <= geometry.isometry_error(q)
+    return jnp.where(better[..., None, None], polished, q)
 
   return map_frames(fn, params, labels, **layout_kwargs)
 
