@@ -69,23 +69,31 @@ DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results")
 
 
 def median_times(fns: Dict[str, Callable[[], Any]], iters: int,
-                 warmup: int = 2) -> Dict[str, float]:
-  """Median seconds per call of each zero-argument jitted closure.
+                 warmup: int = 2, cpu: Optional[dict] = None
+                 ) -> Dict[str, float]:
+  """Median wall-clock seconds per call of each zero-argument jitted closure.
 
   Each function is called `warmup` times first (compilation), then the
   functions are called in alternation `iters` times each, every call timed
-  to `jax.block_until_ready` of its result.
+  to `jax.block_until_ready` of its result. If `cpu` is a dict it receives
+  the median process CPU seconds per call (all threads): on a machine that
+  other jobs share, wall time includes waiting for a core and CPU time does
+  not, so CPU-time ratios are the steadier measure of the work done.
   """
   for fn in fns.values():
     for _ in range(warmup):
       jax.block_until_ready(fn())
-  samples = {name: [] for name in fns}
+  wall = {name: [] for name in fns}
+  proc = {name: [] for name in fns}
   for _ in range(iters):
     for name, fn in fns.items():
-      start = time.perf_counter()
+      start, start_cpu = time.perf_counter(), time.process_time()
       jax.block_until_ready(fn())
-      samples[name].append(time.perf_counter() - start)
-  return {name: statistics.median(s) for name, s in samples.items()}
+      proc[name].append(time.process_time() - start_cpu)
+      wall[name].append(time.perf_counter() - start)
+  if cpu is not None:
+    cpu.update({name: statistics.median(s) for name, s in proc.items()})
+  return {name: statistics.median(s) for name, s in wall.items()}
 
 
 def _call(fn, *args):
@@ -229,19 +237,24 @@ def update_comparison(cfg: TreeConfig, iters: int,
     w = jnp.concatenate(list(qk_frames.values()))
     g = jnp.concatenate(list(gqk_frames.values()))
     fns[FLOOR] = _call(jax.jit(_floor_products), w, g, g)
-  t = median_times(fns, iters)
+  c = {}
+  t = median_times(fns, iters, cpu=c)
   res = {"tree": cfg.name,
          "params": sum(x.size for x in jax.tree.leaves(params)),
          "qk_params": sum(x.size for x in qk.values()),
          "qk_frames": sum(x.size // (cfg.d * cfg.head_dim) for x in qk.values()),
          "adamw_ms": 1e3 * t["adamw"],
          "stiefel_ms": 1e3 * t["stiefel_attention"],
-         "ratio": t["stiefel_attention"] / t["adamw"]}
+         "ratio": t["stiefel_attention"] / t["adamw"],
+         "adamw_cpu_ms": 1e3 * c["adamw"],
+         "stiefel_cpu_ms": 1e3 * c["stiefel_attention"],
+         "cpu_ratio": c["stiefel_attention"] / c["adamw"]}
   if profile:
     frames, d, r = w.shape
     res["profile"] = {
         "frames": int(frames), "d": int(d), "r": int(r),
         "parts_ms": {k: 1e3 * v for k, v in t.items()},
+        "parts_cpu_ms": {k: 1e3 * v for k, v in c.items()},
         "floor_gflops_per_s": 5 * 2 * frames * d * r * r / t[FLOOR] / 1e9}
   return res
 
@@ -337,12 +350,16 @@ def train_step_comparison(cfg: LMConfig, iters: int) -> Dict[str, Any]:
 
     p1, s1, _ = step(params, tx.init(params), tokens)
     fns[name] = _call(step, p1, s1, tokens)
-  t = median_times(fns, iters)
+  c = {}
+  t = median_times(fns, iters, cpu=c)
   return {"model": cfg.describe(),
           "params": sum(x.size for x in jax.tree.leaves(params)),
           "adamw_ms": 1e3 * t["adamw"],
           "stiefel_ms": 1e3 * t["stiefel_attention"],
-          "ratio": t["stiefel_attention"] / t["adamw"]}
+          "ratio": t["stiefel_attention"] / t["adamw"],
+          "adamw_cpu_ms": 1e3 * c["adamw"],
+          "stiefel_cpu_ms": 1e3 * c["stiefel_attention"],
+          "cpu_ratio": c["stiefel_attention"] / c["adamw"]}
 
 
 # --------------------------------------------------------------------------
@@ -391,6 +408,16 @@ def _tangent_step(w, delta, seed):
   return jnp.asarray(xi, jnp.float32)
 
 
+def isometry_error_f64(q) -> float:
+  """max ||Q^T Q - I||_F over the frames, Q^T Q formed in float64 (NumPy),
+  so that it measures the float32 frame, not the rounding of its Gram
+  matrix in float32."""
+  q = np.asarray(q, np.float64)
+  gram = np.swapaxes(q, -1, -2) @ q
+  return float(np.max(np.linalg.norm(gram - np.eye(q.shape[-1]),
+                                     axis=(-2, -1))))
+
+
 def _svd_polar(a):
   u, _, vt = jnp.linalg.svd(a, full_matrices=False)
   return u @ vt
@@ -425,7 +452,7 @@ def _retraction_rows(method: str, shapes, iters: int, emit=None):
       fn = retraction_fn(method, delta)
       xi = _tangent_step(w, delta, seed=r)
       out = jax.block_until_ready(fn(w, xi))
-      row[f"iso_err_delta_{delta:g}"] = float(jnp.max(so.isometry_error(out)))
+      row[f"iso_err_delta_{delta:g}"] = isometry_error_f64(out)
       if method == "newton_schulz":
         row[f"ns_steps_delta_{delta:g}"] = so.newton_schulz_steps(delta)
       if delta == DELTAS[0]:
@@ -491,27 +518,32 @@ def markdown(res: Dict[str, Any]) -> str:
          f"Command: `{res['command']}`. {res['machine']}. Load average"
          f" (1/5/15 min) before {res['load_before']}, after"
          f" {res['load_after']}. Times: medians of jitted calls after"
-         " warm-up, both sides alternated in the same run.", ""]
+         " warm-up, both sides alternated in the same run; ms are wall-clock,"
+         " CPU ms the process's CPU time per call (all threads; steadier"
+         " when other jobs share the cores).", ""]
   out += ["## One optimizer update", "",
-          "| tree | params | Q/K frames | adamw ms | stiefel_attention ms | ratio |",
-          "|---|---:|---:|---:|---:|---:|"]
+          "| tree | params | Q/K frames | adamw ms | stiefel_attention ms | ratio"
+          " | ratio of CPU time |",
+          "|---|---:|---:|---:|---:|---:|---:|"]
   for u in res["update"]:
     out.append(f"| {u['tree']} | {u['params'] / 1e6:.2f} M | {u['qk_frames']}"
                f" | {_fmt_ms(u['adamw_ms'])} | {_fmt_ms(u['stiefel_ms'])} |"
-               f" {u['ratio']:.2f} |")
+               f" {u['ratio']:.2f} | {u['cpu_ratio']:.2f} |")
   prof = res["update"][0]["profile"]
   out += ["", f"## Where the update's time goes ({res['update'][0]['tree']})", "",
-          "| part | ms |", "|---|---:|"]
+          "| part | ms | CPU ms |", "|---|---:|---:|"]
   for k, v in prof["parts_ms"].items():
-    out.append(f"| {k} | {_fmt_ms(v)} |")
+    out.append(f"| {k} | {_fmt_ms(v)} | {_fmt_ms(prof['parts_cpu_ms'][k])} |")
   out += ["", f"{prof['frames']} frames of ({prof['d']}, {prof['r']}); the"
           f" floor's products run at {prof['floor_gflops_per_s']:.1f} GFLOP/s."]
   t = res["train_step"]
   out += ["", "## One training step (forward, backward, update, apply)", "",
-          "| model | params | adamw ms | stiefel_attention ms | ratio |",
-          "|---|---:|---:|---:|---:|",
+          "| model | params | adamw ms | stiefel_attention ms | ratio |"
+          " ratio of CPU time |",
+          "|---|---:|---:|---:|---:|---:|",
           f"| {t['model']} | {t['params'] / 1e6:.2f} M | {_fmt_ms(t['adamw_ms'])}"
-          f" | {_fmt_ms(t['stiefel_ms'])} | {t['ratio']:.3f} |"]
+          f" | {_fmt_ms(t['stiefel_ms'])} | {t['ratio']:.3f} |"
+          f" {t['cpu_ratio']:.3f} |"]
   out += ["", "## Optimizer state of the Q/K kernels", "",
           "| tree | Q/K params MB | adamw MB | stiefel_attention MB | ratio |",
           "|---|---:|---:|---:|---:|"]
@@ -520,7 +552,8 @@ def markdown(res: Dict[str, Any]) -> str:
                f" {s['adamw_bytes'] / 2**20:.2f} | {s['stiefel_bytes'] / 2**20:.2f}"
                f" | {s['ratio']:.4f} |")
   out += ["", "## Polar retraction of a batch of d / r heads, float32", "",
-          "| method | (d, r) x heads | ms | iso err, delta 0.1 | iso err, delta 1 |",
+          "| method | (d, r) x heads | ms | isometry error, delta 0.1 |"
+          " isometry error, delta 1 |",
           "|---|---|---:|---:|---:|"]
   for r in res["retraction"]:
     name = r["method"]
@@ -532,8 +565,10 @@ def markdown(res: Dict[str, Any]) -> str:
     else:
       out.append(f"| {name} | {shape} | {_fmt_ms(r['ms'])} |"
                  f" {r['iso_err_delta_0.1']:.1e} | {r['iso_err_delta_1']:.1e} |")
-  out += ["", "Newton–Schulz is timed sized for delta = 0.1 (the default cap);"
-          " its delta = 1 error uses the steps sized for delta = 1."]
+  out += ["", "Isometry error: max ||Q^T Q - I||_F of the float32 result,"
+          " Q^T Q formed in float64. Newton–Schulz is timed sized for"
+          " delta = 0.1 (the default cap); its delta = 1 error uses the steps"
+          " sized for delta = 1."]
   return "\n".join(out) + "\n"
 
 

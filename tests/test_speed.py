@@ -45,6 +45,7 @@ def test_times_and_ratios_are_positive(quick):
   for row in rows:
     assert row["adamw_ms"] > 0 and row["stiefel_ms"] > 0
     assert row["ratio"] == pytest.approx(row["stiefel_ms"] / row["adamw_ms"])
+    assert row["cpu_ratio"] > 0
   parts = res["update"][0]["profile"]["parts_ms"]
   assert len(parts) == 6 and all(v > 0 for v in parts.values())
 
