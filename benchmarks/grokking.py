@@ -290,9 +290,11 @@ def truncate(run: dict, steps: int) -> dict:
 # Per-run summaries.
 
 
-def steps_to_target(hist: dict, target: float) -> Optional[int]:
-  """First logged step with validation accuracy >= target (None: never)."""
-  for s, a in zip(hist["step"], hist["val_acc"]):
+def steps_to_target(hist: dict, target: float,
+                    key: str = "val_acc") -> Optional[int]:
+  """First logged step with validation (or `key`) accuracy >= target
+  (None: never)."""
+  for s, a in zip(hist["step"], hist[key]):
     if a >= target:
       return s
   return None
@@ -330,7 +332,9 @@ def run_summary(run: dict, target: float) -> dict:
   h = run["history"]
   hit = steps_to_target(h, target)
   return dict(arm=run["arm"], seed=run["seed"], steps=h["step"][-1],
-              steps_to_target=hit, final_val_acc=h["val_acc"][-1],
+              steps_to_target=hit,
+              steps_to_train_target=steps_to_target(h, target, "train_acc"),
+              final_val_acc=h["val_acc"][-1],
               final_train_acc=h["train_acc"][-1],
               max_val_acc=max(h["val_acc"]), min_val_acc_after=min_after(h, hit),
               mean_iso=float(iso_curve(h)[1:].mean()),
@@ -371,27 +375,28 @@ def compare_arms(summaries: dict, steps: int) -> dict:
 def winner(comp: dict) -> str:
   """Plain sentence: which arm groks first, and final accuracy."""
   st, fv = comp["steps_to_target"], comp["final_val_acc"]
-  if comp["n_never_adamw"] == comp["n_never_stiefel"] == st["n"]:
-    return (f"Neither arm reached the target in any of {st['n']} seeds: no"
+  n = st["n"]
+  if comp["n_never_adamw"] == comp["n_never_stiefel"] == n:
+    return (f"Neither arm reached the target in any of {n} seeds: no"
             " grokking winner.")
   if st["mean_diff"] == 0:
     faster = "neither arm"
   else:
     faster = "stiefel" if st["mean_diff"] < 0 else "adamw"
-  sig = "significant" if st["p"] < 0.05 else "not significant"
-  n = st["n"]
-  # paired_comparison counts treatment (stiefel) > baseline as a win; for
-  # steps fewer is better.
-  s_first, a_first = st["losses"], st["wins"]
+  sig = ("significant at p < 0.05" if st["p"] < 0.05
+         else "not significant at 0.05")
+  # paired_comparison(stiefel, adamw) counts stiefel > adamw as a win; for
+  # steps fewer is better, so stiefel is first where it "loses".
   higher = ("stiefel" if fv["mean_diff"] > 0 else
             "adamw" if fv["mean_diff"] < 0 else "neither arm")
-  return (f"Grokking speed: {faster} wins (reaches the target first in"
-          f" {max(s_first, a_first)}/{n} seeds, stiefel first in {s_first},"
-          f" adamw first in {a_first}; mean difference stiefel - adamw"
-          f" {st['mean_diff']:+.0f} steps, paired t p = {st['p']:.3g},"
-          f" {sig} at 0.05). Final validation accuracy: {higher} higher in"
-          f" {max(fv['wins'], fv['losses'])}/{fv['n']} seeds (mean difference"
-          f" {fv['mean_diff']:+.4f}, paired t p = {fv['p']:.3g}).")
+  return (f"Grokking speed: {faster} ahead on the mean ({sig}; mean"
+          f" difference stiefel - adamw {st['mean_diff']:+.0f} steps, paired"
+          f" t p = {st['p']:.3g}); stiefel first in {st['losses']}, adamw"
+          f" first in {st['wins']}, tied in {st['ties']} of {n} seeds."
+          f" Final validation accuracy: {higher} higher on the mean"
+          f" ({fv['mean_diff']:+.4f}, paired t p = {fv['p']:.3g}); stiefel"
+          f" higher in {fv['wins']}, adamw higher in {fv['losses']}, tied in"
+          f" {fv['ties']} of {fv['n']} seeds.")
 
 
 def iso_ratio(runs_a: list, runs_s: list) -> dict:
@@ -458,6 +463,9 @@ def study_table(summaries: dict, comp: dict, target: float) -> str:
       f" (never {comp['n_never_stiefel']}) | {st['mean_diff']:+.0f} |"
       f" paired t p = {st['p']:.3g}, Wilcoxon p = {st['wilcoxon_p']:.3g} |"
       f" {st['losses']} / {st['wins']} |",
+      f"| steps to {pct}% train acc (memorisation) |"
+      f" {_fmt([r['steps_to_train_target'] for r in a], '{:.0f}')} |"
+      f" {_fmt([r['steps_to_train_target'] for r in s], '{:.0f}')} | | | |",
       f"| final val acc | {_fmt([r['final_val_acc'] for r in a])} |"
       f" {_fmt([r['final_val_acc'] for r in s])} | {fv['mean_diff']:+.4f} |"
       f" paired t p = {fv['p']:.3g} | {fv['wins']} / {fv['losses']} |",
@@ -697,6 +705,12 @@ def markdown(cfg: Config, study: Study, res: dict, runs: dict,
     longs = {arm: runs[arm][study.long_seed] for arm in study.arms}
     parts += ["", long_table(longs, cfg.target_acc,
                              res["long"]["isometry_ratio"])]
+  if "trained_by" in meta:
+    t = meta["trained_by"]
+    parts += ["", f"Trained by `{t['command']}` (started {t['started']},"
+              f" wall {t['wall_s']:.0f} s, CPU {t.get('cpu_s', float('nan')):.0f} s,"
+              f" load average at start {t['machine']['loadavg_start'][0]:.1f});"
+              " this report regenerated from the saved runs by:"]
   parts += ["", f"Command: `{meta['command']}`; machine: {meta['machine']['nproc']}"
             f" CPUs ({meta['machine']['platform']}, {meta['machine']['backend']});"
             f" wall time {meta['wall_s']:.0f} s this invocation,"
@@ -771,6 +785,9 @@ def main(argv=None) -> dict:
               machine=machine(),
               started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
   c0 = time.process_time()
+  if args.report_only and (out / "results.json").exists():
+    old = json.loads((out / "results.json").read_text())["meta"]
+    meta["trained_by"] = old.get("trained_by", old)
   if args.report_only:
     runs = saved_study(cfg, study, out)
     study = reached_study(study, runs)
