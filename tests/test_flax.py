@@ -139,14 +139,17 @@ def test_linen_train_state_50_steps_frames_on_manifold_rest_is_adamw(
     state = state.apply_gradients(grads=grads)
     # Pure AdamW fed the very same gradients.
     upd, ref_state = ref_tx.update(grads, ref_state, ref_params)
-    return state, optax.apply_updates(ref_params, upd), ref_state, loss
+    return (state, optax.apply_updates(ref_params, upd), ref_state, loss,
+            so.max_isometry_error(state.params))
 
-  losses = []
+  losses, isos = [], []
   for _ in range(STEPS):
-    state, ref_params, ref_state, loss = step(state, ref_params, ref_state)
+    state, ref_params, ref_state, loss, iso = step(state, ref_params, ref_state)
     losses.append(float(loss))
+    isos.append(float(iso))
 
   assert losses[-1] < 0.8 * losses[0], losses
+  assert max(isos) <= ISO_TOL, max(isos)             # at every step
   errs = so.frame_isometry_errors(state.params)
   assert set(errs) == {"attn/query/kernel", "attn/key/kernel"}
   assert all(e.shape == (HEADS,) for e in errs.values())
@@ -189,15 +192,19 @@ def test_nnx_optimizer_50_steps_frames_on_manifold_rest_is_adamw():
         lambda m: jnp.mean((m(x) - y) ** 2))(model)
     optimizer.update(model, grads)
     upd, ref_state = ref_tx.update(nnx.as_pure(grads), ref_state, ref_params)
-    return optax.apply_updates(ref_params, upd), ref_state, loss
+    iso = so.max_isometry_error(nnx.state(model, nnx.Param))
+    return optax.apply_updates(ref_params, upd), ref_state, loss, iso
 
-  losses = []
+  losses, isos = [], []
   for _ in range(STEPS):
-    ref_params, ref_state, loss = step(model, optimizer, ref_params, ref_state)
+    ref_params, ref_state, loss, iso = step(model, optimizer, ref_params,
+                                            ref_state)
     losses.append(float(loss))
+    isos.append(float(iso))
 
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   assert losses[-1] < 0.8 * losses[0], losses
+  assert max(isos) <= ISO_TOL, max(isos)             # at every step
   errs = so.frame_isometry_errors(params)
   assert set(errs) == {"attn/query/kernel", "attn/key/kernel"}
   assert float(so.max_isometry_error(params)) <= ISO_TOL
