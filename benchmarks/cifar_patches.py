@@ -562,6 +562,20 @@ def plot_curves(recs, n: int, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def frame_summary(runs, key: str) -> dict:
+  """{arm: mean of key} at the largest n: how far the Q/K frames moved
+  from their start (Frobenius, summed over frames) and how orthonormal
+  they ended."""
+  if not runs:
+    return {}
+  n = max(r["n"] for r in runs)
+  vals = {}
+  for r in runs:
+    if r["n"] == n:
+      vals.setdefault(r["arm"], []).append(r[key])
+  return {a: float(np.mean(v)) for a, v in vals.items()}
+
+
 def report(out: pathlib.Path, fp: Optional[str] = None) -> dict:
   """Writes summary.json, table.md and the PNGs from the finished runs."""
   recs = collect(out, fp)
@@ -571,6 +585,8 @@ def report(out: pathlib.Path, fp: Optional[str] = None) -> dict:
       "comparisons": rows, "tuning": chosen_table(recs),
       "chosen": {r["arm"]: r["hp"] for r in runs},
       "base_lr": next((r["base_lr"] for r in runs if r["arm"] != "adamw"), None),
+      "qk_movement": frame_summary(runs, "qk_movement"),
+      "qk_isometry_error": frame_summary(runs, "qk_isometry_error"),
       "runs": len(runs), "tuning_runs": len(recs) - len(runs),
       "run_wall_s": float(sum(r["wall_s"] for r in runs)),
       "tuning_wall_s": float(sum(r["wall_s"] for r in recs if r["kind"] == "tune")),
@@ -634,6 +650,25 @@ def paper_table(rows) -> str:
   return "\n".join(lines)
 
 
+def supplementary_text(out: pathlib.Path) -> str:
+  """The tables of runs kept in subfolders of out (other configurations,
+  e.g. --dim 64 or --epochs 15 with --hp-from)."""
+  parts = []
+  for sub in sorted(p for p in pathlib.Path(out).iterdir() if p.is_dir()):
+    f = sub / "summary.json"
+    if not f.is_file():
+      continue
+    sm = json.loads(f.read_text())
+    recs = [r for r in collect(sub) if r["kind"] == "run"]
+    src = sorted({str(r.get("hp_from")) for r in recs})
+    parts.append(
+        f"#### Supplementary `{sub.name}`\n\nConfiguration: `{json.dumps(sm['config'])}`;"
+        f" hyperparameters from {', '.join(src)} (not re-tuned); chosen"
+        f" {json.dumps(sm['chosen'])}; {sm['runs']} runs,"
+        f" {sm['run_wall_s'] / 60:.1f} min.\n\n{markdown_table(sm['comparisons'])}\n")
+  return "\n".join(parts)
+
+
 def section_text(summary: dict, out: pathlib.Path, notes: str = "") -> str:
   cfg = summary["config"] or {}
   rel = os.path.relpath(out, RESULTS_MD.parent)
@@ -642,6 +677,10 @@ def section_text(summary: dict, out: pathlib.Path, notes: str = "") -> str:
   grid = "\n".join(f"- `{a}`: " + ", ".join(f"{k} -> {100 * v:.2f}%"
                                             for k, v in g.items())
                    for a, g in summary["tuning"].items())
+  frames = "\n".join(
+      f"- `{a}`: moved {m:.2f}, isometry error"
+      f" {summary['qk_isometry_error'].get(a, float('nan')):.1e}"
+      for a, m in summary.get("qk_movement", {}).items())
   return f"""{SECTION}
 
 {notes.strip()}
@@ -669,6 +708,13 @@ the non-Q/K parameters; base lr {summary["base_lr"]}):
 
 {hp}
 
+Q/K frames at the largest n, mean over seeds: total distance moved from
+the start, sum over frames of ||W_end - W_start||_F, and the final
+max ||W^T W - I||_F:
+
+{frames}
+
+{supplementary_text(out)}
 Plots: `{rel}/gain_vs_n.png` (gain against n with 95% intervals),
 `{rel}/curves.png` (test accuracy per epoch per arm at the largest n).
 Raw runs: `{rel}/runs/*.json`; summary: `{rel}/summary.json`.
