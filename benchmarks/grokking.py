@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -360,7 +361,7 @@ def compare_arms(summaries: dict, steps: int) -> dict:
   hit_a = [r["steps_to_target"] for r in a]
   hit_s = [r["steps_to_target"] for r in s]
   ceil = steps + 1
-  out = dict(seeds=seeds, n_never_adamw=hit_a.count(None),
+  out = dict(seeds=seeds, ceiling=ceil, n_never_adamw=hit_a.count(None),
              n_never_stiefel=hit_s.count(None))
   out["steps_to_target"] = stats.paired_comparison(censored(hit_s, ceil),
                                                    censored(hit_a, ceil))
@@ -414,23 +415,29 @@ def iso_ratio(runs_a: list, runs_s: list) -> dict:
 
 def movement_ratios(runs: dict, probe: dict, probe_steps: int) -> dict:
   """Per-step Q/K frame movement over the first `probe_steps` steps of each
-  seed: adamw / rsgd and adamw / stiefel, per seed and their range."""
+  seed, adamw / rsgd and adamw / stiefel: the ratio of the window means per
+  seed, and the ratio chunk by chunk (median and range over chunks and
+  seeds; fixed-step SGD moves in proportion to the gradient, which changes
+  by orders of magnitude within the window)."""
   out = {}
   for other, src in (("rsgd", probe), ("stiefel", runs["stiefel"])):
-    per_seed = {}
+    per_seed, chunks = {}, []
     for seed, r in src.items():
       if seed not in runs["adamw"]:
         continue
       n = probe_steps // r["config"]["log_every"]
-      ma = move_curve(runs["adamw"][seed]["history"])[:n].mean()
-      mo = move_curve(r["history"])[:n].mean()
-      per_seed[seed] = dict(adamw=float(ma), other=float(mo),
-                            ratio=float(ma / mo))
+      ma = move_curve(runs["adamw"][seed]["history"])[:n]
+      mo = move_curve(r["history"])[:n]
+      chunks += list(ma / mo)
+      per_seed[seed] = dict(adamw=float(ma.mean()), other=float(mo.mean()),
+                            ratio=float(ma.mean() / mo.mean()))
     if per_seed:
       rat = [v["ratio"] for v in per_seed.values()]
       out[f"adamw_over_{other}"] = dict(
           per_seed=per_seed, mean=float(np.mean(rat)), min=float(min(rat)),
-          max=float(max(rat)), steps=probe_steps)
+          max=float(max(rat)), chunk_median=float(np.median(chunks)),
+          chunk_min=float(min(chunks)), chunk_max=float(max(chunks)),
+          steps=probe_steps)
   return out
 
 
@@ -452,14 +459,15 @@ def study_table(summaries: dict, comp: dict, target: float) -> str:
   st, fv, mn = (comp["steps_to_target"], comp["final_val_acc"],
                 comp["min_val_acc_after"])
   pct = int(round(100 * target))
+  ceil = comp["ceiling"]
   rows = [
       "| metric (mean ± sd over seeds) | adamw | stiefel | stiefel − adamw |"
       " test | seeds stiefel better / adamw better |",
       "|---|---|---|---|---|---|",
-      f"| steps to {pct}% val acc (never: counted as steps+1) |"
-      f" {_fmt([r['steps_to_target'] for r in a], '{:.0f}')}"
+      f"| steps to {pct}% val acc (never reached: counted as {ceil}) |"
+      f" {_fmt(censored([r['steps_to_target'] for r in a], ceil), '{:.0f}')}"
       f" (never {comp['n_never_adamw']}) |"
-      f" {_fmt([r['steps_to_target'] for r in s], '{:.0f}')}"
+      f" {_fmt(censored([r['steps_to_target'] for r in s], ceil), '{:.0f}')}"
       f" (never {comp['n_never_stiefel']}) | {st['mean_diff']:+.0f} |"
       f" paired t p = {st['p']:.3g}, Wilcoxon p = {st['wilcoxon_p']:.3g} |"
       f" {st['losses']} / {st['wins']} |",
@@ -488,16 +496,18 @@ def study_table(summaries: dict, comp: dict, target: float) -> str:
   return "\n".join(rows)
 
 
-def mechanism_table(iso: dict, moves: dict) -> str:
+def mechanism_table(iso: dict, moves: dict, log_every: int) -> str:
   rows = ["| mechanism number | measured | paper |", "|---|---|---|"]
   for key, label in (("adamw_over_rsgd", "riemannian_sgd"),
                      ("adamw_over_stiefel", "stiefel_adam")):
     if key in moves:
       m = moves[key]
       rows.append(
-          f"| per-step Q/K movement, AdamW / {label} (first {m['steps']}"
-          f" steps, per-seed range) | {m['mean']:.1f}x"
-          f" ({m['min']:.1f}–{m['max']:.1f}x) |"
+          f"| per-step Q/K movement, AdamW / {label}, first {m['steps']}"
+          f" steps: ratio of window means (per-seed range); per"
+          f" {log_every}-step chunk median (range) | {m['mean']:.1f}x"
+          f" ({m['min']:.1f}–{m['max']:.1f}x); {m['chunk_median']:.1f}x"
+          f" ({m['chunk_min']:.2g}–{m['chunk_max']:.3g}x) |"
           f" {'24–40x (CIFAR, riemannian_sgd)' if label == 'riemannian_sgd' else '—'} |")
   rows.append(
       f"| Q/K isometry error, AdamW / Stiefel through training (geometric"
@@ -511,19 +521,26 @@ def mechanism_table(iso: dict, moves: dict) -> str:
 def long_table(long_runs: dict, target: float, iso: Optional[dict]) -> str:
   rows = ["| long run (one seed) | steps | final val acc | max val acc |"
           f" min val acc after {int(round(100 * target))}% |"
-          " logged steps below 90% after it | final non-Q/K norm |",
-          "|---|---|---|---|---|---|---|"]
+          " logged steps below 90% after it | max train loss after it |"
+          " non-Q/K norm min–max after it | final non-Q/K norm |",
+          "|---|---|---|---|---|---|---|---|---|"]
   for arm, run in long_runs.items():
     h = run["history"]
     hit = steps_to_target(h, target)
     below = (sum(1 for s, a in zip(h["step"], h["val_acc"])
                  if s >= hit and a < 0.9) if hit is not None else None)
     mn = min_after(h, hit)
+    after = [i for i, s in enumerate(h["step"]) if hit is not None and s >= hit]
+    norms = other_norm_curve(h)
+    spread = (f"{norms[after].min():.2f}–{norms[after].max():.2f}"
+              if after else "n/a")
+    max_loss = (f"{max(h['train_loss'][i] for i in after):.2g}"
+                if after else "n/a")
     rows.append(f"| {arm} (seed {run['seed']}) | {h['step'][-1]} |"
                 f" {h['val_acc'][-1]:.4f} | {max(h['val_acc']):.4f} |"
                 f" {'n/a' if mn is None else f'{mn:.4f}'} |"
-                f" {'n/a' if below is None else below} |"
-                f" {other_norm_curve(h)[-1]:.2f} |")
+                f" {'n/a' if below is None else below} | {max_loss} |"
+                f" {spread} | {norms[-1]:.2f} |")
   if iso is not None:
     rows.append(f"\nIsometry error ratio AdamW / Stiefel over the long run:"
                 f" geometric mean {iso['geomean']:.3g}, range"
@@ -538,7 +555,7 @@ def plot_runs(runs: dict, path: Path, title: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   colors = {"adamw": "tab:red", "stiefel": "tab:blue"}
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  fig, axes = plt.subplots(1, 4, figsize=(20, 4))
   for arm, by_seed in runs.items():
     for i, (seed, r) in enumerate(sorted(by_seed.items())):
       h = r["history"]
@@ -549,9 +566,12 @@ def plot_runs(runs: dict, path: Path, title: str) -> None:
                        lw=1, label=lab)
       axes[2].plot(h["step"], other_norm_curve(h), color=colors[arm],
                    alpha=0.7, lw=1, label=lab)
+      axes[3].semilogy(h["step"], np.maximum(h["train_loss"], 1e-12),
+                       color=colors[arm], alpha=0.7, lw=1, label=lab)
   for ax, ylabel in zip(axes, ("validation accuracy",
                                "Q/K isometry error ||W^T W - I||_F (mean frame)",
-                               "norm of non-Q/K weights")):
+                               "norm of non-Q/K weights",
+                               "train loss (floored at 1e-12)")):
     ax.set_xlabel("step (full batch = epoch)")
     ax.set_ylabel(ylabel)
     ax.legend()
@@ -662,8 +682,17 @@ def reached_study(study: Study, runs: dict) -> Study:
                              probe_steps=probe)
 
 
+def long_runs(study: Study, runs: dict) -> dict:
+  """The long seed's runs of both arms, cut to a common step."""
+  return {arm: truncate(runs[arm][study.long_seed], study.long_steps)
+          for arm in study.arms}
+
+
 def analyse(cfg: Config, study: Study, runs: dict) -> dict:
   """Statistics, mechanism numbers and the long run from the raw runs."""
+  if not study.seeds or not study.steps:
+    raise SystemExit("no seed has saved runs of both arms yet; nothing to"
+                     " report.")
   main = {arm: {s: truncate(runs[arm][s], study.steps) for s in study.seeds}
           for arm in study.arms}
   summaries = {arm: {s: run_summary(r, cfg.target_acc) for s, r in by.items()}
@@ -675,7 +704,7 @@ def analyse(cfg: Config, study: Study, runs: dict) -> dict:
              movement=movement_ratios(main, runs[PROBE_ARM], study.probe_steps)
              if study.probe_steps else {})
   if study.long_steps > study.steps:
-    longs = {arm: runs[arm][study.long_seed] for arm in study.arms}
+    longs = long_runs(study, runs)
     res["long"] = dict(
         summaries={a: run_summary(r, cfg.target_acc) for a, r in longs.items()},
         isometry_ratio=iso_ratio([longs["adamw"]], [longs["stiefel"]]))
@@ -699,19 +728,24 @@ def markdown(cfg: Config, study: Study, res: dict, runs: dict,
       "",
       "**" + res["verdict"] + "**",
       "",
-      mechanism_table(res["isometry_ratio"], res["movement"]),
+      mechanism_table(res["isometry_ratio"], res["movement"], cfg.log_every),
   ]
   if "long" in res:
-    longs = {arm: runs[arm][study.long_seed] for arm in study.arms}
+    longs = long_runs(study, runs)
     parts += ["", long_table(longs, cfg.target_acc,
                              res["long"]["isometry_ratio"])]
+  if meta.get("note"):
+    parts += ["", meta["note"]]
   if "trained_by" in meta:
     t = meta["trained_by"]
     parts += ["", f"Trained by `{t['command']}` (started {t['started']},"
               f" wall {t['wall_s']:.0f} s, CPU {t.get('cpu_s', float('nan')):.0f} s,"
               f" load average at start {t['machine']['loadavg_start'][0]:.1f});"
               " this report regenerated from the saved runs by:"]
-  parts += ["", f"Command: `{meta['command']}`; machine: {meta['machine']['nproc']}"
+  command = meta["command"]
+  if meta.get("note"):
+    command = command.replace(shlex.quote(meta["note"]), "'<the note above>'")
+  parts += ["", f"Command: `{command}`; machine: {meta['machine']['nproc']}"
             f" CPUs ({meta['machine']['platform']}, {meta['machine']['backend']});"
             f" wall time {meta['wall_s']:.0f} s this invocation,"
             f" {meta['run_wall_s']:.0f} s wall and {meta['run_cpu_s']:.0f} s"
@@ -729,6 +763,7 @@ def parse_args(argv):
   p.add_argument("--steps", type=int, help="steps per seed")
   p.add_argument("--seeds", type=int, help="number of seeds per arm")
   p.add_argument("--long-steps", type=int, help="long run's steps (0: none)")
+  p.add_argument("--long-seed", type=int, help="the seed of the long run")
   p.add_argument("--probe-steps", type=int, help="rsgd probe steps (0: none)")
   p.add_argument("--log-every", type=int, help="steps per logged record")
   p.add_argument("--p", type=int, help="the prime modulus")
@@ -744,6 +779,9 @@ def parse_args(argv):
   p.add_argument("--part", default="0/1",
                  help="K/N: run only part K of N parallel processes (then"
                       " report with --report-only)")
+  p.add_argument("--note", default="",
+                 help="free text stored with the results and printed (e.g."
+                      " how the runs were trained)")
   p.add_argument("--report-only", action="store_true",
                  help="no training: report the saved (possibly partial) runs")
   p.add_argument("--no-progress", action="store_true")
@@ -765,6 +803,8 @@ def configure(args) -> tuple:
       seeds=tuple(range(args.seeds)) if args.seeds else study.seeds,
       long_steps=args.long_steps if args.long_steps is not None
       else study.long_steps,
+      long_seed=args.long_seed if args.long_seed is not None
+      else study.long_seed,
       probe_steps=args.probe_steps if args.probe_steps is not None
       else study.probe_steps)
   for name in ("steps", "long_steps", "probe_steps"):
@@ -781,13 +821,16 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   cfg, study, out = configure(args)
   t0 = time.time()
-  meta = dict(command=" ".join(["python -m benchmarks.grokking"] + argv),
+  meta = dict(command=shlex.join(["python", "-m", "benchmarks.grokking"]
+                                 + argv),
               machine=machine(),
               started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
   c0 = time.process_time()
+  meta.update(report_only=args.report_only, note=args.note)
   if args.report_only and (out / "results.json").exists():
     old = json.loads((out / "results.json").read_text())["meta"]
-    meta["trained_by"] = old.get("trained_by", old)
+    if "trained_by" in old or not old.get("report_only", False):
+      meta["trained_by"] = old.get("trained_by", old)
   if args.report_only:
     runs = saved_study(cfg, study, out)
     study = reached_study(study, runs)
@@ -817,8 +860,9 @@ def main(argv=None) -> dict:
     plot_runs(main_runs, out / "study.png",
               f"(a {cfg.op} b) mod {cfg.p}: {len(study.seeds)} seeds per arm")
     if "long" in res:
-      plot_runs({a: {study.long_seed: runs[a][study.long_seed]}
-                 for a in study.arms}, out / "long_run.png",
+      plot_runs({a: {study.long_seed: r}
+                 for a, r in long_runs(study, runs).items()},
+                out / "long_run.png",
                 f"long run, seed {study.long_seed}")
   print(table)
   print(f"\nresults: {out}")
