@@ -543,7 +543,7 @@ def plot_curves(recs, n: int, path: pathlib.Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
-  for arm in ARMS:
+  for k, arm in enumerate(ARMS):
     cs = [r["test_curve"] for r in recs
           if r["kind"] == "run" and r["arm"] == arm and r["n"] == n]
     if not cs:
@@ -551,8 +551,9 @@ def plot_curves(recs, n: int, path: pathlib.Path) -> None:
     c = 100.0 * np.array(cs)
     ep = np.arange(1, c.shape[1] + 1)
     m, s = c.mean(0), c.std(0)
-    ax.plot(ep, m, label=f"{arm} ({len(cs)})")
-    ax.fill_between(ep, m - s, m + s, alpha=0.15)
+    color = plt.cm.tab20(2 * k % 20 + (2 * k // 20))
+    ax.plot(ep, m, label=f"{arm} ({len(cs)})", color=color)
+    ax.fill_between(ep, m - s, m + s, alpha=0.12, color=color)
   ax.set_xlabel("epoch")
   ax.set_ylabel("test accuracy % (mean ± sd over seeds)")
   ax.set_title(f"CIFAR-10 patch transformer, n = {n}")
@@ -582,7 +583,8 @@ def report(out: pathlib.Path, fp: Optional[str] = None) -> dict:
   rows = comparisons(recs)
   runs = [r for r in recs if r["kind"] == "run"]
   summary = {
-      "comparisons": rows, "tuning": chosen_table(recs),
+      "comparisons": rows, "paper_rows": paper_comparisons(recs),
+      "tuning": chosen_table(recs),
       "chosen": {r["arm"]: r["hp"] for r in runs},
       "base_lr": next((r["base_lr"] for r in runs if r["arm"] != "adamw"), None),
       "qk_movement": frame_summary(runs, "qk_movement"),
@@ -631,12 +633,22 @@ PAPER_ROWS = (
 )
 
 
-def _ours(rows, treatment, baseline, n) -> str:
-  sel = [r for r in rows if r["treatment"] == treatment
-         and r["baseline"] == baseline and (n is None or r["size"] == n)]
-  if not sel:
+def paper_comparisons(recs) -> list:
+  """compare() for each row of PAPER_ROWS (None where not run); n = None
+  means the largest n both arms ran at."""
+  out = []
+  for _, t, b, n in ((r[0], r[1], r[2], r[3]) for r in PAPER_ROWS):
+    if n is None:
+      common = ({r["n"] for r in recs if r["kind"] == "run" and r["arm"] == t}
+                & {r["n"] for r in recs if r["kind"] == "run" and r["arm"] == b})
+      n = max(common) if common else None
+    out.append(compare(recs, t, b, n) if n is not None else None)
+  return out
+
+
+def _ours(r) -> str:
+  if r is None:
     return "not run"
-  r = max(sel, key=lambda r: r["size"])
   return (f"{fmt(r['mean_diff'])} pp [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]"
           f" at n = {r['size']}, t = {r['t']:.2f}, p = {r['p']:.2g},"
           f" wins {r['wins']}/{r['n']}")
@@ -645,8 +657,8 @@ def _ours(rows, treatment, baseline, n) -> str:
 def paper_table(rows) -> str:
   lines = ["| comparison | paper | ours (mean gain, 95% CI, paired t, wins) |",
            "|---|---|---|"]
-  for label, t, b, n, paper in PAPER_ROWS:
-    lines.append(f"| {label} | {paper} | {_ours(rows, t, b, n)} |")
+  for (label, _, _, _, paper), r in zip(PAPER_ROWS, rows):
+    lines.append(f"| {label} | {paper} | {_ours(r)} |")
   return "\n".join(lines)
 
 
@@ -692,7 +704,7 @@ tuning runs ({summary["tuning_wall_s"] / 60:.1f} min).
 
 ### Ours beside the paper
 
-{paper_table(summary["comparisons"])}
+{paper_table(summary["paper_rows"])}
 
 ### All paired comparisons (test accuracy, pp)
 
