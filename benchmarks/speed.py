@@ -1,7 +1,10 @@
 """What the Stiefel step costs: `stiefel_attention` against `optax.adamw`.
 
-    python -m benchmarks.speed            # full tables (a few minutes, 2 CPU cores)
-    python -m benchmarks.speed --quick    # tiny shapes: a smoke test of this script
+    python -m benchmarks.speed            # full tables (10-20 min on 2 CPU cores)
+    python -m benchmarks.speed --quick    # tiny shapes: a smoke test
+
+The full run's time is mostly LAPACK: the SVD of 32 (4096, 128) frames may
+use its whole child-process timeout (--timeout, 300 s) and report a hang.
 
 Every time is the median, over repeated calls after two warm-up calls, of a
 `jax.jit`-compiled function timed to `block_until_ready`. The functions of
