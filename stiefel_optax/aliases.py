@@ -16,13 +16,22 @@ from stiefel_optax import transforms
 DEFAULT_MAX_STEP_NORM = 0.1
 
 
-def _cap_and_retract(max_step_norm: Optional[float], retraction: str):
-  """The trust region (if any) and the polar retraction sized for it."""
-  cap = [] if max_step_norm is None else [transforms.clip_frame_norm(max_step_norm)]
-  # Without a cap the step norm is unbounded: Newton–Schulz then counts its
-  # steps at run time (max_step_norm=None).
-  return cap + [transforms.retract_polar(
-      retraction, max_step_norm=max_step_norm)]
+def _cap_and_retract(max_step_norm, retraction: str):
+  """The trust region (if any) and the polar retraction sized for it.
+
+  Without a cap, or with a radius traced under jit (`optax.inject_hyperparams`
+  may change it between steps), no Newton–Schulz step count can be fixed in
+  advance: the retraction then counts its steps at run time from the actual
+  step norms (`retract_polar(max_step_norm=None)`).
+  """
+  if max_step_norm is None:
+    return [transforms.retract_polar(retraction, max_step_norm=None)]
+  radius = transforms.static_float(max_step_norm)
+  if radius is not None and not radius > 0:
+    raise ValueError(
+        f"max_step_norm must be > 0 (or None for no trust region); got {radius}.")
+  return [transforms.clip_frame_norm(max_step_norm),
+          transforms.retract_polar(retraction, max_step_norm=radius)]
 
 
 def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
@@ -45,7 +54,7 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
     learning_rate: a float or an optax schedule.
     b1, b2, eps: Adam's decay rates and denominator offset.
     max_step_norm: the trust-region radius delta (Frobenius, per frame);
-      None disables the cap (ablation).
+      None disables the cap (ablation); may be injected (traced).
     retraction: "newton_schulz" (matmul only, default) or "eigh".
     mu_dtype: dtype of the first moment.
   """

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stiefel_optax import aliases, geometry, layouts, transforms
+from stiefel_optax import aliases, geometry, layouts
 
 STIEFEL = "stiefel"
 EUCLIDEAN = "euclidean"
@@ -224,56 +224,6 @@ def _static_int(value, name: str) -> Optional[int]:
       f" optax.inject_hyperparams pass static_args=({name!r},).")
 
 
-def _clip_frame_norm_traced(max_norm: jax.Array) -> optax.GradientTransformation:
-  """`transforms.clip_frame_norm` for a radius held as an array (traced
-  under jit, as `optax.inject_hyperparams` passes it)."""
-
-  def update_fn(updates, state, params=None):
-    del params
-
-    def clip(xi):
-      x = xi.astype(geometry.compute_dtype(xi.dtype))
-      norm = geometry.frame_norm(x)
-      factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, max_norm))
-      return (x * factor[..., None, None]).astype(xi.dtype)
-
-    return jax.tree.map(clip, updates), state
-
-  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
-
-
-def _stiefel_group(learning_rate, b1, b2, eps, max_step_norm, retraction,
-                   mu_dtype) -> optax.GradientTransformation:
-  """`aliases.stiefel_adam`, also for a trust-region radius given as an array.
-
-  `optax.inject_hyperparams` turns every numeric argument into an array that
-  is traced under jit. The cap then uses the traced radius, and the
-  Newton–Schulz retraction, whose iteration count cannot be fixed from a
-  traced radius, finds it at run time from the actual step norms
-  (`retract_polar(max_step_norm=None)`), so any radius, changed between
-  steps or not, is retracted to rounding. A concrete radius must be > 0.
-  """
-  if max_step_norm is None or isinstance(max_step_norm, (int, float, np.number)):
-    return aliases.stiefel_adam(
-        learning_rate, b1, b2, eps,
-        max_step_norm=None if max_step_norm is None else float(max_step_norm),
-        retraction=retraction, mu_dtype=mu_dtype)
-  try:
-    value = float(max_step_norm)
-  except jax.errors.ConcretizationTypeError:      # traced: checked at init
-    value = None
-  if value is not None and not value > 0.0:
-    raise ValueError(
-        f"stiefel_attention: max_step_norm must be > 0 (or None for no trust"
-        f" region); got {value}.")
-  return optax.chain(
-      transforms.project_to_tangent(),
-      transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype),
-      optax.scale_by_learning_rate(learning_rate),
-      _clip_frame_norm_traced(max_step_norm),
-      transforms.retract_polar(retraction, max_step_norm=None))
-
-
 def _euclidean_eps(eps):
   """AdamW's eps: `eps`, or optax's default 1e-8 where eps = 0 (AdamW would
   divide 0 / 0 on coordinates with zero gradient). Works for an eps that
@@ -332,7 +282,8 @@ def stiefel_attention(
 
   Composes with `optax.inject_hyperparams`, which may schedule or change
   between steps learning_rate, stiefel_learning_rate, weight_decay, b1, b2,
-  eps and max_step_norm (see `_stiefel_group`):
+  eps and max_step_norm (a traced radius sizes the Newton–Schulz retraction
+  at run time; see `aliases.stiefel_adam`):
 
       tx = optax.inject_hyperparams(stiefel_attention)(learning_rate=1e-3)
       state.hyperparams['learning_rate'] = 3e-4     # between steps
@@ -353,9 +304,10 @@ def stiefel_attention(
     check_frame_view(params, lab, layout_fn(stiefel_only, **layout_kwargs))
     return lab
 
-  inner = stiefel_tx or _stiefel_group(
+  inner = stiefel_tx or aliases.stiefel_adam(
       stiefel_learning_rate if stiefel_learning_rate is not None
-      else learning_rate, b1, b2, eps, max_step_norm, retraction, mu_dtype)
+      else learning_rate, b1, b2, eps, max_step_norm=max_step_norm,
+      retraction=retraction, mu_dtype=mu_dtype)
   rest = euclidean_tx or optax.adamw(learning_rate, b1, b2,
                                      _euclidean_eps(eps),
                                      weight_decay=weight_decay,

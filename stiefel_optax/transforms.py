@@ -184,14 +184,25 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 # Trust region.
 
 
-def clip_frame_norm(max_norm: float) -> optax.GradientTransformation:
+def static_float(x) -> Optional[float]:
+  """x as a Python float, or None when it is traced (as
+  `optax.inject_hyperparams` passes hyperparameters under jit)."""
+  try:
+    return float(x)
+  except (jax.errors.ConcretizationTypeError, TypeError):
+    return None
+
+
+def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
   """Trust region: xi <- xi * min(1, max_norm / ||xi||_F), per frame.
 
   Applied after the learning rate, so it caps the actual step. It bounds the
   spectrum of (W + xi)^T (W + xi) = I + xi^T xi within [1, 1 + max_norm^2].
+  `max_norm` may be an array, traced under jit (`optax.inject_hyperparams`).
   """
-  if not max_norm > 0:
-    raise ValueError(f"clip_frame_norm: max_norm must be > 0; got {max_norm}.")
+  value = static_float(max_norm)
+  if value is not None and not value > 0:
+    raise ValueError(f"clip_frame_norm: max_norm must be > 0; got {value}.")
 
   def init_fn(params):
     check_frame_leaves(params, "clip_frame_norm")
