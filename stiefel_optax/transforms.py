@@ -121,10 +121,9 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   holds a NaN or Inf (or one so large that ||g||_F^2 overflows, which would
   otherwise set v to Inf for good) keeps its moments and gets a zero step
   (the count still advances), so one bad frame never corrupts the others or
-  the state. The
-  Euclidean AdamW group of `stiefel_attention` does not skip (optax's AdamW
-  lets the NaN into its leaf); to skip the whole step, wrap the whole
-  optimizer in `optax.apply_if_finite(tx, max_consecutive_errors)`.
+  the state. The Euclidean AdamW group of `stiefel_attention` does not skip
+  (optax's AdamW lets the NaN into its leaf); to skip the whole step, wrap
+  the whole optimizer in `optax.apply_if_finite(tx, max_consecutive_errors)`.
   With v = 0 (a zero gradient so far) the step is zero, never NaN, even
   with eps = 0.
 
@@ -167,9 +166,9 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       v_new = b2 * v + (1.0 - b2) * g_sq
       m_new = jnp.where(finite[..., None, None], m_new, m.astype(cdtype))
       v_new = jnp.where(finite, v_new, v)
-      denom = jnp.sqrt(v_new / bc2.astype(cdtype)) + eps
+      denom = jnp.sqrt(v_new / bc2) + eps
       scale = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
-      u = (m_new / bc1.astype(cdtype)) * scale[..., None, None]
+      u = (m_new / bc1) * scale[..., None, None]
       u = jnp.where(finite[..., None, None], u, 0.0)
       return u.astype(g_in.dtype), m_new.astype(m.dtype), v_new
 
