@@ -214,6 +214,19 @@ def check_frame_view(params, labels, layout) -> None:
           f" {EUCLIDEAN!r} or change the layout.")
 
 
+def checked_labels_and_layout(params, labels=None,
+                              patterns: Patterns = DEFAULT_QK_PATTERNS,
+                              **layout_kwargs):
+  """(labels, per-leaf layout) of `params`, every labelled leaf checked to
+  have a valid frame view (`check_frame_view`)."""
+  lab = _resolve_labels(params, labels, patterns)
+  stiefel_only = jax.tree.map(lambda x, l: x if l == STIEFEL else None,
+                              params, lab)
+  lay = layout_fn(stiefel_only, **layout_kwargs)
+  check_frame_view(params, lab, lay)
+  return lab, lay
+
+
 def _static_int(value, name: str) -> Optional[int]:
   """num_heads / head_dim as a Python int: they fix the frames' shapes."""
   if value is None or isinstance(value, (int, np.integer)):
@@ -298,11 +311,8 @@ def stiefel_attention(
                        head_dim=head_dim, layout=layout)
 
   def labels_fn(params):
-    lab = _resolve_labels(params, labels, patterns)
-    stiefel_only = jax.tree.map(
-        lambda x, l: x if l == STIEFEL else None, params, lab)
-    check_frame_view(params, lab, layout_fn(stiefel_only, **layout_kwargs))
-    return lab
+    return checked_labels_and_layout(params, labels, patterns,
+                                     **layout_kwargs)[0]
 
   inner = stiefel_tx or aliases.stiefel_adam(
       stiefel_learning_rate if stiefel_learning_rate is not None
@@ -326,11 +336,8 @@ def map_frames(fn: Callable[[jax.Array], jax.Array], params, labels=None, *,
   EUCLIDEAN leaves are returned unchanged; with back=False the tree holds
   fn's raw outputs at STIEFEL leaves and None elsewhere.
   """
-  lab = _resolve_labels(params, labels, patterns)
-  stiefel_only = jax.tree.map(lambda x, l: x if l == STIEFEL else None,
-                              params, lab)
-  lay = layout_fn(stiefel_only, **layout_kwargs)
-  check_frame_view(params, lab, lay)
+  lab, lay = checked_labels_and_layout(params, labels, patterns,
+                                       **layout_kwargs)
 
   def leaf(path, x, l):
     if l != STIEFEL:
