@@ -8,6 +8,12 @@ import jax.numpy as jnp
 from stiefel_optax import geometry, partition
 
 
+def _by_path(tree) -> dict:
+  """{path: leaf} for a tree of per-frame values (None leaves dropped)."""
+  return {partition.path_str(p): e for p, e in
+          jax.tree_util.tree_leaves_with_path(tree)}
+
+
 def frame_isometry_errors(params, labels=None, **kwargs):
   """{path: per-frame ||W^T W - I||_F} for every labelled kernel.
 
@@ -17,8 +23,7 @@ def frame_isometry_errors(params, labels=None, **kwargs):
   """
   tree = partition.map_frames(geometry.isometry_error, params, labels,
                               back=False, **kwargs)
-  return {partition.path_str(p): e for p, e in
-          jax.tree_util.tree_leaves_with_path(tree)}
+  return _by_path(tree)
 
 
 def max_isometry_error(params, labels=None, **kwargs) -> jax.Array:
@@ -50,5 +55,4 @@ def frame_movement(old_params, new_params, labels=None, **kwargs):
       old_params, labels, kwargs.pop("patterns", partition.DEFAULT_QK_PATTERNS))
   tree = partition.map_frames(geometry.frame_norm, diff, lab, back=False,
                               **kwargs)
-  return {partition.path_str(p): e for p, e in
-          jax.tree_util.tree_leaves_with_path(tree)}
+  return _by_path(tree)

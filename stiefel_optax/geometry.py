@@ -157,6 +157,12 @@ def newton_schulz_steps(max_step_norm: float = 1.0, tol: float = 1e-8, *,
   return max(steps, 1)
 
 
+def _newton_schulz_step(y, z, eye):
+  """One coupled step: T = (3I - Z Y) / 2, Y <- Y T, Z <- T Z."""
+  t = 0.5 * (3.0 * eye - z @ y)
+  return y @ t, t @ z
+
+
 def _inv_sqrt_newton_schulz(m: jax.Array, lo: jax.Array, hi: jax.Array,
                             num_steps: int) -> jax.Array:
   """M^(-1/2) for M with spectrum in [lo, hi] (per frame), matmuls only.
@@ -175,8 +181,7 @@ def _inv_sqrt_newton_schulz(m: jax.Array, lo: jax.Array, hi: jax.Array,
   t = 0.5 * (3.0 * eye - y)
   y, z = y @ t, t
   for _ in range(num_steps - 1):
-    t = 0.5 * (3.0 * eye - z @ y)
-    y, z = y @ t, t @ z
+    y, z = _newton_schulz_step(y, z, eye)
   return z * jax.lax.rsqrt(c)
 
 
@@ -205,12 +210,25 @@ def _inv_sqrt_newton_schulz_adaptive(m: jax.Array, lo: jax.Array,
 
   def body(carry):
     y, z, p, k = carry
-    t = 0.5 * (3.0 * eye - z @ y)
-    return y @ t, t @ z, p * jnp.square(3.0 - p) / 4.0, k + 1
+    y, z = _newton_schulz_step(y, z, eye)
+    return y, z, p * jnp.square(3.0 - p) / 4.0, k + 1
 
   init = (m / c, jnp.broadcast_to(eye, m.shape), p0, jnp.zeros([], jnp.int32))
   _, z, _, _ = jax.lax.while_loop(cond, body, init)
   return z * jax.lax.rsqrt(c)
+
+
+def _polar_factor(a: jax.Array, method: str, newton_schulz) -> jax.Array:
+  """A (A^T A)^(-1/2), the r x r inverse square root by "eigh" or by
+  `newton_schulz(M)` (which knows the spectral bound that fits its caller)."""
+  m = gram(a)
+  if method == "eigh":
+    inv_root = _inv_sqrt_eigh(m)
+  elif method == "newton_schulz":
+    inv_root = newton_schulz(m)
+  else:
+    raise ValueError(f"method must be one of {RETRACTIONS}; got {method!r}.")
+  return a @ inv_root
 
 
 def polar(a: jax.Array, method: str = "eigh", *,
@@ -225,18 +243,14 @@ def polar(a: jax.Array, method: str = "eigh", *,
   bound from the step norm.
   """
   check_frame_shape(a.shape, "a")
-  dtype = a.dtype
-  a = a.astype(compute_dtype(dtype))
-  m = gram(a)
-  if method == "eigh":
-    inv_root = _inv_sqrt_eigh(m)
-  elif method == "newton_schulz":
-    s = isometry_error(a)
-    inv_root = _inv_sqrt_newton_schulz(m, 1.0 - s, 1.0 + s,
-                                       6 if num_steps is None else num_steps)
-  else:
-    raise ValueError(f"method must be one of {RETRACTIONS}; got {method!r}.")
-  return (a @ inv_root).astype(dtype)
+  steps = 6 if num_steps is None else num_steps
+
+  def newton_schulz(m):
+    s = frame_norm(m - jnp.eye(m.shape[-1], dtype=m.dtype))
+    return _inv_sqrt_newton_schulz(m, 1.0 - s, 1.0 + s, steps)
+
+  a_c = a.astype(compute_dtype(a.dtype))
+  return _polar_factor(a_c, method, newton_schulz).astype(a.dtype)
 
 
 def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
@@ -276,21 +290,17 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
   whole retraction.
   """
   check_frame_shape(w.shape, "w")
-  dtype = w.dtype
-  cdtype = compute_dtype(dtype)
-  a = w.astype(cdtype) + xi.astype(cdtype)
-  m = gram(a)
-  if method == "eigh":
-    inv_root = _inv_sqrt_eigh(m)
-  elif method == "newton_schulz":
+  cdtype = compute_dtype(w.dtype)
+
+  def newton_schulz(m):
     lo, hi = step_spectrum(frame_norm(xi.astype(cdtype)), tangent)
     tol = newton_schulz_tol(cdtype)
     if num_steps is None and max_step_norm is None:
-      inv_root = _inv_sqrt_newton_schulz_adaptive(m, lo, hi, tol)
-    else:
-      if num_steps is None:
-        num_steps = newton_schulz_steps(max_step_norm, tol, tangent=tangent)
-      inv_root = _inv_sqrt_newton_schulz(m, lo, hi, num_steps)
-  else:
-    raise ValueError(f"method must be one of {RETRACTIONS}; got {method!r}.")
-  return (a @ inv_root).astype(dtype)
+      return _inv_sqrt_newton_schulz_adaptive(m, lo, hi, tol)
+    steps = num_steps
+    if steps is None:
+      steps = newton_schulz_steps(max_step_norm, tol, tangent=tangent)
+    return _inv_sqrt_newton_schulz(m, lo, hi, steps)
+
+  a = w.astype(cdtype) + xi.astype(cdtype)
+  return _polar_factor(a, method, newton_schulz).astype(w.dtype)
