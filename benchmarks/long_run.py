@@ -137,10 +137,10 @@ def long_run(steps: int = 5_000, *, chunk: int = 1_000, dtype="float32",
   teacher = init_params(key_t, d, heads, head_dim, orthonormal=False)
   params = init_params(key_s, d, heads, head_dim, dtype)
   if euclidean_dtype is not None:
-    labels = so.qk_labels(params)
-    params = jax.tree.map(
-        lambda w, l: w if l == so.STIEFEL else w.astype(euclidean_dtype),
-        params, labels)
+    frames = so.selected(params)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, w: w if so.path_str(p) in frames else
+        w.astype(euclidean_dtype), params)
   start = params
   tx = so.stiefel_attention(learning_rate)
   state = tx.init(params)

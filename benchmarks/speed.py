@@ -61,7 +61,7 @@ import optax
 import stiefel_optax as so
 from stiefel_optax import geometry
 
-QK = re.compile(so.DEFAULT_QK_PATTERNS[0])
+QK = re.compile(so.specs.QK_KERNEL)
 ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
             "OMP_NUM_THREADS", "XLA_FLAGS")
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results")

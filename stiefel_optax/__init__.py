@@ -8,18 +8,17 @@ and a polar retraction; everything else keeps AdamW.
 from stiefel_optax.geometry import (
     isometry_error, newton_schulz_steps, polar, project_tangent,
     random_frames, retract, sym)
-from stiefel_optax.layouts import (
-    FLAX_PER_HEAD, FLAX_WHOLE, FrameLayout, from_frames, to_frames,
-    with_frame_layout)
 from stiefel_optax.transforms import (
     ScaleByFrameAdamState, clip_frame_norm, project_to_tangent,
     retract_polar, scale_by_frame_adam)
 from stiefel_optax.aliases import riemannian_sgd, stiefel_adam
-from stiefel_optax.partition import (
-    DEFAULT_QK_PATTERNS, EUCLIDEAN, STIEFEL, check_labels, frames_transform,
-    kernel_layout, map_frames, orthonormal_heads_init, orthonormalize,
-    path_str, qk_labels, stiefel_attention)
+from stiefel_optax.specs import (
+    PRESETS, FrameSpec, frame_specs, fused_qkv, path_str, selected)
+from stiefel_optax.views import from_frames, map_frames, merge, split, to_frames
+from stiefel_optax.partition import FramePartitionState, frame_partition
+from stiefel_optax.attention import stiefel_attention
+from stiefel_optax.initializers import orthonormal_heads_init, orthonormalize
 from stiefel_optax.diagnostics import (
     check_frames, frame_isometry_errors, frame_movement, max_isometry_error)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

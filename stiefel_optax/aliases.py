@@ -1,7 +1,7 @@
 """Optimizers for Stiefel frames, each an `optax.chain` of the transforms.
 
-The leaves are frames (..., d, r); wrap with `layouts.with_frame_layout` for
-kernels whose frames lie along other axes, or use `partition.stiefel_attention`
+The leaves are frames (..., d, r); wrap with `partition.frame_partition` for
+kernels whose frames lie along other axes, or use `stiefel_attention`
 for a whole Flax model.
 """
 

@@ -1,4 +1,4 @@
-"""Flax integration: labels, layouts, stiefel_attention with linen and nnx,
+"""Flax integration: frame selection, stiefel_attention with linen and nnx,
 composition with optax wrappers, orthonormal start and diagnostics.
 
 Models are tiny (d = 16, 2 heads); the two 50-step trainings are jitted once.
@@ -83,10 +83,10 @@ def _grads_like(params, seed):
       lambda w: jax.random.normal(jax.random.key(seed), w.shape, w.dtype), params)
 
 
-def _assert_euclidean_match(params, ref_params, labels):
+def _assert_euclidean_match(params, ref_params, frames=None):
   got, want = _leaves_by_path(params), _leaves_by_path(ref_params)
-  lab = _leaves_by_path(labels)
-  euclid = [p for p, l in lab.items() if l == so.EUCLIDEAN]
+  sel = so.selected(params, frames)
+  euclid = [p for p in got if p not in sel]
   assert len(euclid) >= 8, euclid
   for p in euclid:
     # Bit-identical on XLA:CPU; the tolerance only allows for a different
@@ -117,10 +117,9 @@ def test_linen_train_state_50_steps_frames_on_manifold_rest_is_adamw(
     linen_params):
   model = LinenBlock()
   x, y = _data()
-  labels = so.qk_labels(linen_params)
-  assert _leaves_by_path(labels)["attn/query/kernel"] == so.STIEFEL
-  assert _leaves_by_path(labels)["attn/key/kernel"] == so.STIEFEL
-  assert _leaves_by_path(labels)["attn/value/kernel"] == so.EUCLIDEAN
+  assert so.selected(linen_params) == {
+      "attn/query/kernel": so.FrameSpec(rows=-3, cols=-1),
+      "attn/key/kernel": so.FrameSpec(rows=-3, cols=-1)}
   so.check_frames(linen_params)
 
   state = train_state.TrainState.create(
@@ -157,7 +156,7 @@ def test_linen_train_state_50_steps_frames_on_manifold_rest_is_adamw(
   moved = so.frame_movement(linen_params, state.params)
   assert all(float(jnp.min(m)) > 1e-2 for m in moved.values()), moved
 
-  euclid = _assert_euclidean_match(state.params, ref_params, labels)
+  euclid = _assert_euclidean_match(state.params, ref_params)
   before = _leaves_by_path(linen_params)
   after = _leaves_by_path(state.params)
   for p in ("attn/value/kernel", "attn/out/kernel", "mlp_in/kernel",
@@ -173,15 +172,11 @@ def test_nnx_optimizer_50_steps_frames_on_manifold_rest_is_adamw():
   nnx.update(model, so.orthonormalize(nnx.state(model, nnx.Param)))
   x, y = _data(1)
   start = nnx.as_pure(nnx.state(model, nnx.Param))
-  labels = so.qk_labels(start)
-  # Labels computed on the nnx.State of Variables apply to the pure dicts
-  # that nnx.Optimizer.update passes (the default, labels=None, is covered by
-  # the README snippet test).
-  state_labels = so.qk_labels(nnx.state(model, nnx.Param))
-  assert jax.tree.structure(state_labels) != jax.tree.structure(labels)
+  # init sees an nnx.State of Variables, update the pure dicts: the paths
+  # (and so the selected frames) are the same.
+  assert so.selected(nnx.state(model, nnx.Param)) == so.selected(start)
   optimizer = nnx.Optimizer(
-      model, so.stiefel_attention(LR, weight_decay=WD, labels=state_labels),
-      wrt=nnx.Param)
+      model, so.stiefel_attention(LR, weight_decay=WD), wrt=nnx.Param)
   ref_tx = optax.adamw(LR, weight_decay=WD)
   ref_params = start
   ref_state = ref_tx.init(ref_params)
@@ -210,7 +205,7 @@ def test_nnx_optimizer_50_steps_frames_on_manifold_rest_is_adamw():
   assert float(so.max_isometry_error(params)) <= ISO_TOL
   assert all(float(jnp.min(m)) > 1e-2
              for m in so.frame_movement(start, params).values())
-  _assert_euclidean_match(params, ref_params, labels)
+  _assert_euclidean_match(params, ref_params)
   assert float(so.max_isometry_error(ref_params)) > 1e-2
 
   # The optimizer state: one first-moment entry per element, one scalar
@@ -229,9 +224,8 @@ def test_optimizer_state_one_moment_per_element_one_scalar_per_frame(
   tx = so.stiefel_attention(LR)
   state = tx.init(params)
   (fs,) = _frame_adam_states(state)
-  labels = _leaves_by_path(so.qk_labels(params))
   leaves = _leaves_by_path(params)
-  stiefel = [p for p, l in labels.items() if l == so.STIEFEL]
+  stiefel = sorted(so.selected(params))
   assert sorted(stiefel) == ["attn/key/kernel", "attn/query/kernel"]
   mu, nu = _leaves_by_path(fs.mu), _leaves_by_path(fs.nu)
   assert sorted(mu) == sorted(nu) == sorted(stiefel)
@@ -244,7 +238,7 @@ def test_optimizer_state_one_moment_per_element_one_scalar_per_frame(
       state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
              if isinstance(x, optax.ScaleByAdamState)]
   assert sum(x.size for x in _real(adam.nu)) == sum(
-      x.size for p, x in leaves.items() if labels[p] == so.EUCLIDEAN)
+      x.size for p, x in leaves.items() if p not in stiefel)
   assert sum(x.size for x in _real(adam.nu)) + sum(
       x.size for x in _real(fs.mu)) == sum(x.size for x in leaves.values())
 
@@ -253,14 +247,18 @@ def test_scanned_layers_kernels_batch_their_frames(linen_params):
   # nn.scan stacks layers in front: (layers, d, heads, head_dim).
   q = linen_params["attn"]["query"]["kernel"]
   params = {"layers": {"query": {"kernel": jnp.stack([q, -q, 2 * q])}}}
-  assert float(so.max_isometry_error(params)) > 1.0          # the 2 * q layer
-  params = so.orthonormalize(params)
-  errs = so.frame_isometry_errors(params)
+  # A 4-D kernel is nn.scan's or MaxText's: auto refuses to guess.
+  with pytest.raises(ValueError, match=r"layers/query/kernel: shape \(3, 16, 2, 8\).*'flax'.*'maxtext'"):
+    so.orthonormalize(params)
+  assert float(so.max_isometry_error(params, "flax")) > 1.0   # the 2 * q layer
+  params = so.orthonormalize(params, "flax")
+  errs = so.frame_isometry_errors(params, "flax")
   assert errs["layers/query/kernel"].shape == (3, HEADS)
   assert float(jnp.max(errs["layers/query/kernel"])) <= ISO_TOL
   np.testing.assert_allclose(params["layers"]["query"]["kernel"][2], q,
                              atol=1e-5)
-  (fs,) = _frame_adam_states(so.stiefel_attention(LR).init(params))
+  (fs,) = _frame_adam_states(
+      so.stiefel_attention(LR, frames="flax").init(params))
   assert _leaves_by_path(fs.nu)["layers/query/kernel"].shape == (3, HEADS)
   assert _leaves_by_path(fs.mu)["layers/query/kernel"].shape == (
       3, HEADS, D, HEAD_DIM)
@@ -272,7 +270,7 @@ def test_scanned_layers_kernels_batch_their_frames(linen_params):
 
 def test_weight_decay_leaves_frames_untouched(linen_params):
   params = linen_params
-  labels = _leaves_by_path(so.qk_labels(params))
+  sel = so.selected(params)
   start = _leaves_by_path(params)
 
   def run_injected(weight_decay):          # jitted once, decay as an array
@@ -293,8 +291,8 @@ def test_weight_decay_leaves_frames_untouched(linen_params):
 
   for run in (run_injected, run_default):
     no_decay, decay = run(0.0), run(0.5)
-    for p, l in labels.items():
-      if l == so.STIEFEL:
+    for p in start:
+      if p in sel:
         np.testing.assert_array_equal(decay[p], no_decay[p], err_msg=p)
         assert float(jnp.max(jnp.abs(decay[p] - start[p]))) > 1e-3
     # The decay acts on every Euclidean kernel: smaller than without it.
@@ -323,39 +321,42 @@ def _one_step_and_state(tx, params, seed=1):
   return optax.apply_updates(params, upd), state
 
 
-def test_regex_list_and_callable_patterns():
+def test_regex_mapping_and_callable_selectors():
   params = {"blk": _random_tree(
       {"wq": (D, D), "wk": (D, D), "wv": (D, D), "wo": (D, D)})}
-  by_regex = so.qk_labels(params, [r"/wq$", r"/wk$"])
-  by_callable = so.qk_labels(
-      params, lambda path, leaf: path.split("/")[-1] in ("wq", "wk"))
-  want = {"blk/wq": so.STIEFEL, "blk/wk": so.STIEFEL,
-          "blk/wv": so.EUCLIDEAN, "blk/wo": so.EUCLIDEAN}
-  assert _leaves_by_path(by_regex) == want
-  assert _leaves_by_path(by_callable) == want
-  assert _leaves_by_path(so.qk_labels(params, r"wq")) == {
-      **want, "blk/wk": so.EUCLIDEAN}
+  whole = so.FrameSpec(rows=0, cols=1)
+  by_regex = {r"/wq$": whole, r"/wk$": whole}
+  by_callable = lambda path, leaf: (
+      whole if path.split("/")[-1] in ("wq", "wk") else None)
+  want = {"blk/wq": whole, "blk/wk": whole}
+  assert so.selected(params, by_regex) == want
+  assert so.selected(params, by_callable) == want
+  assert so.selected(params, {r"wq": whole}) == {"blk/wq": whole}
   params = so.orthonormalize(params, by_regex)
-  tx = so.stiefel_attention(LR, patterns=[r"/wq$", r"/wk$"])
-  new, _ = _one_step_and_state(tx, params)
-  errs = so.frame_isometry_errors(new, patterns=[r"/wq$", r"/wk$"])
+  new, _ = _one_step_and_state(so.stiefel_attention(LR, frames=by_regex),
+                               params)
+  errs = so.frame_isometry_errors(new, by_regex)
   assert set(errs) == {"blk/wq", "blk/wk"}
   assert max(float(jnp.max(e)) for e in errs.values()) <= ISO_TOL
   assert float(jnp.max(jnp.abs(new["blk"]["wv"] - params["blk"]["wv"]))) > 0
+  # An entry that matches nothing is an error naming it, never dropped.
+  with pytest.raises(ValueError, match=r"entry '/wz\$' matches no parameter path; nearby paths: .*blk/w"):
+    so.stiefel_attention(LR, frames={**by_regex, r"/wz$": whole}).init(params)
 
 
-def test_einsum_heads_d_head_dim_kernels_with_layout():
+def test_einsum_heads_d_head_dim_kernels_with_spec():
   pat = r"/(q|k)_einsum$"
   params = {"attn": _random_tree(
       {"q_einsum": (HEADS, D, HEAD_DIM), "k_einsum": (HEADS, D, HEAD_DIM),
        "v_einsum": (HEADS, D, HEAD_DIM)})}
-  lay = so.FrameLayout(1, 2)
-  # Without the layout the leading axis (2) would be read as d < head_dim.
-  with pytest.raises(ValueError, match=r"attn/[kq]_einsum: shape \(2, 16, 8\)"):
-    so.stiefel_attention(LR, patterns=pat).init(params)
-  params = so.orthonormalize(params, patterns=pat, layout=lay)
-  tx = so.stiefel_attention(LR, patterns=pat, layout=lay)
-  new, state = _one_step_and_state(tx, params)
+  spec = so.FrameSpec(rows=1, cols=2)
+  # Rows on the heads axis (2) give d < head_dim: named, with the fix.
+  with pytest.raises(ValueError, match=r"attn/[kq]_einsum: shape \(2, 16, 8\).*\(d, r\) = \(2, 8\).*FrameSpec\(rows=1, cols=2\) fits"):
+    so.stiefel_attention(LR, frames={pat: so.FrameSpec(rows=0, cols=2)}
+                         ).init(params)
+  params = so.orthonormalize(params, {pat: spec})
+  new, state = _one_step_and_state(so.stiefel_attention(LR, frames={pat: spec}),
+                                   params)
   (fs,) = _frame_adam_states(state)
   assert _leaves_by_path(fs.nu)["attn/q_einsum"].shape == (HEADS,)
   for name in ("q_einsum", "k_einsum"):
@@ -366,36 +367,36 @@ def test_einsum_heads_d_head_dim_kernels_with_layout():
     assert float(jnp.max(jnp.abs(new["attn"][name] - params["attn"][name]))) > 1e-3
 
 
-def test_fused_2d_kernels_split_by_num_heads_with_grouped_query_key():
-  # 2-D fused kernels: query (d, heads * head_dim), key with one KV head.
+def test_2d_kernels_split_into_heads_with_grouped_query_key():
+  # 2-D kernels: query (d, heads * head_dim), key with one KV head.
   params = {"attn": {"query": {"kernel": jax.random.normal(jax.random.key(0), (D, HEADS * HEAD_DIM))},
                      "key": {"kernel": jax.random.normal(jax.random.key(1), (D, HEAD_DIM))},
                      "value": {"kernel": jax.random.normal(jax.random.key(2), (D, HEAD_DIM))}}}
-  params = so.orthonormalize(params, num_heads=HEADS)
+  # Auto cannot know the heads of a 2-D kernel: it says which spec fits.
+  with pytest.raises(ValueError, match=r"attn/key/kernel: shape \(16, 8\).*FrameSpec\(rows=0, cols=1, heads=H\)"):
+    so.selected(params)
+  frames = {r"query/kernel$": so.FrameSpec(rows=0, cols=1, heads=HEADS),
+            r"key/kernel$": so.FrameSpec(rows=0, cols=1, heads=1)}
+  params = so.orthonormalize(params, frames)
   q = params["attn"]["query"]["kernel"]
   # Per-head frames, not one (16, 16) frame: each head's columns orthonormal.
   for h in range(HEADS):
     blk = q[:, h * HEAD_DIM:(h + 1) * HEAD_DIM]
     assert float(jnp.linalg.norm(blk.T @ blk - jnp.eye(HEAD_DIM))) <= ISO_TOL
   assert float(jnp.linalg.norm(q.T @ q - jnp.eye(D))) > 1e-2
-  for kwargs in ({"num_heads": HEADS}, {"head_dim": HEAD_DIM}):
-    (fs,) = _frame_adam_states(so.stiefel_attention(LR, **kwargs).init(params))
-    nu = _leaves_by_path(fs.nu)
-    assert nu["attn/query/kernel"].shape == (HEADS,)
-    assert nu["attn/key/kernel"].shape == (1,)
-  new, _ = _one_step_and_state(so.stiefel_attention(LR, num_heads=HEADS), params)
-  errs = so.frame_isometry_errors(new, num_heads=HEADS)
+  new, state = _one_step_and_state(so.stiefel_attention(LR, frames=frames),
+                                   params)
+  nu = _leaves_by_path(_frame_adam_states(state)[0].nu)
+  assert nu["attn/query/kernel"].shape == (HEADS,)
+  assert nu["attn/key/kernel"].shape == (1,)
+  errs = so.frame_isometry_errors(new, frames)
   assert errs["attn/query/kernel"].shape == (HEADS,)
-  assert errs["attn/key/kernel"].shape == (1,)
-  assert float(so.max_isometry_error(new, num_heads=HEADS)) <= ISO_TOL
+  assert float(so.max_isometry_error(new, frames)) <= ISO_TOL
   assert float(jnp.max(jnp.abs(new["attn"]["key"]["kernel"]
                                - params["attn"]["key"]["kernel"]))) > 1e-3
-  # Without num_heads/head_dim a 2-D kernel is one frame.
-  _, state = _one_step_and_state(so.stiefel_attention(LR), params)
-  (fs,) = _frame_adam_states(state)
-  assert _leaves_by_path(fs.nu)["attn/query/kernel"].shape == ()
-  with pytest.raises(ValueError, match=r"attn/key/kernel: shape \(16, 8\).*head_dim = 5"):
-    so.stiefel_attention(LR, head_dim=5).init(params)
+  with pytest.raises(ValueError, match=r"attn/key/kernel: shape \(16, 8\) has 8 columns.*heads = 3"):
+    so.stiefel_attention(LR, frames={r"key/kernel$": so.FrameSpec(
+        rows=0, cols=1, heads=3)}).init(params)
 
 
 def test_grouped_query_3d_key_kernel_fewer_heads(linen_params):
@@ -411,23 +412,24 @@ def test_grouped_query_3d_key_kernel_fewer_heads(linen_params):
   assert float(so.max_isometry_error(new)) <= ISO_TOL
 
 
-def test_per_head_false_is_one_whole_projection_frame(linen_params):
+def test_whole_projection_frame(linen_params):
   params = {"query": {"kernel": linen_params["attn"]["query"]["kernel"]},
             "key": {"kernel": linen_params["attn"]["key"]["kernel"]}}
+  whole = {r"(query|key)/kernel$": so.FrameSpec(rows=0, cols=(1, 2))}
   # Per-head frames are not a whole-projection frame...
-  assert float(so.max_isometry_error(params, per_head=False)) > 1e-2
-  params = so.orthonormalize(params, per_head=False)
-  whole = params["query"]["kernel"].reshape(D, HEADS * HEAD_DIM)
-  assert float(jnp.linalg.norm(whole.T @ whole - jnp.eye(D))) <= ISO_TOL
-  new, state = _one_step_and_state(so.stiefel_attention(LR, per_head=False),
+  assert float(so.max_isometry_error(params, whole)) > 1e-2
+  params = so.orthonormalize(params, whole)
+  w = params["query"]["kernel"].reshape(D, HEADS * HEAD_DIM)
+  assert float(jnp.linalg.norm(w.T @ w - jnp.eye(D))) <= ISO_TOL
+  new, state = _one_step_and_state(so.stiefel_attention(LR, frames=whole),
                                    params)
   (fs,) = _frame_adam_states(state)
   assert all(v.shape == () for v in _leaves_by_path(fs.nu).values())
   assert all(m.shape == (D, HEADS * HEAD_DIM)
              for m in _leaves_by_path(fs.mu).values())
-  errs = so.frame_isometry_errors(new, per_head=False)
+  errs = so.frame_isometry_errors(new, whole)
   assert all(e.shape == () for e in errs.values())
-  assert float(so.max_isometry_error(new, per_head=False)) <= ISO_TOL
+  assert float(so.max_isometry_error(new, whole)) <= ISO_TOL
   assert float(jnp.max(jnp.abs(new["query"]["kernel"] - params["query"]["kernel"]))) > 1e-3
 
 
@@ -440,30 +442,32 @@ def test_head_dim_larger_than_d_names_path_and_shape():
     so.orthonormalize(params)
 
 
-def test_no_match_lists_paths():
+def test_nothing_selected_lists_paths():
   params = {"encoder": {"dense": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}}}
-  with pytest.raises(ValueError, match=r"encoder/dense/kernel.*"):
-    so.qk_labels(params)
+  with pytest.raises(ValueError, match=r"selects no leaf.*encoder/dense/kernel"):
+    so.selected(params)
   with pytest.raises(ValueError, match=r"encoder/dense/bias"):
     so.stiefel_attention(LR).init(params)
-  with pytest.raises(ValueError, match=r"no parameter path matches"):
-    so.qk_labels(params, [r"wq$"])
+  with pytest.raises(ValueError, match=r"'wq\$' matches no parameter path"):
+    so.selected(params, {r"wq$": so.FrameSpec()})
+  with pytest.raises(ValueError, match=r"not a preset"):
+    so.selected(params, "llama")
 
 
-def test_labels_tree_mismatch_and_bad_values(linen_params):
-  labels = so.qk_labels(linen_params)
-  missing = {k: v for k, v in labels.items() if k != "mlp_out"}
-  with pytest.raises(ValueError, match=r"only in params \['mlp_out/bias', 'mlp_out/kernel'\]"):
-    so.stiefel_attention(LR, labels=missing).init(linen_params)
-  with pytest.raises(ValueError, match=r"only in labels \['extra'\]"):
-    so.check_labels(linen_params, {**labels, "extra": so.EUCLIDEAN})
-  bad = jax.tree.map(lambda l: "adam" if l == so.STIEFEL else l, labels)
-  with pytest.raises(ValueError, match=r"attn/key/kernel='adam'"):
-    so.stiefel_attention(LR, labels=bad).init(linen_params)
-  # A correct tree or a callable is accepted.
-  for lab in (labels, lambda p: so.qk_labels(p, r"query/kernel$")):
-    state = so.stiefel_attention(LR, labels=lab).init(linen_params)
-    assert len(_frame_adam_states(state)) == 1
+def test_bad_selector_values_name_the_path(linen_params):
+  with pytest.raises(ValueError, match=r"attn/key/kernel: the frame selector returned 'adam'"):
+    so.stiefel_attention(LR, frames=lambda path, leaf: (
+        "adam" if path.endswith("key/kernel") else None)).init(linen_params)
+  with pytest.raises(ValueError, match=r"frames\['query'\] = 'adam'"):
+    so.selected(linen_params, {"query": "adam"})
+  with pytest.raises(ValueError, match=r"is not a frame selector"):
+    so.selected(linen_params, 3)
+  with pytest.raises(ValueError, match=r"several frames= entries"):
+    so.selected(linen_params, {"query": so.FrameSpec(rows=0, cols=2),
+                               "attn/q": so.FrameSpec(rows=0, cols=(1, 2))})
+  state = so.stiefel_attention(LR, frames={"query/kernel$": so.FrameSpec(
+      rows=0, cols=2)}).init(linen_params)
+  assert len(_leaves_by_path(_frame_adam_states(state)[0].nu)) == 1
 
 
 # --------------------------------------------------------------------------
@@ -518,11 +522,16 @@ def test_inject_hyperparams_change_learning_rate_between_steps(linen_params):
   assert float(jnp.max(jnp.linalg.norm(
       u["attn"]["query"]["kernel"], axis=(0, 2)))) > 1.0
   assert float(so.max_isometry_error(optax.apply_updates(p_inj, u))) <= ISO_TOL
-  with pytest.raises(ValueError, match=r"static_args=\('num_heads',\)"):
-    optax.inject_hyperparams(so.stiefel_attention)(
-        learning_rate=LR, num_heads=2).init(params)
-  ok = optax.inject_hyperparams(so.stiefel_attention, static_args=("num_heads",))(
-      learning_rate=LR, num_heads=HEADS)
+  # Selectors: a preset, a spec mapping need no static_args; a callable
+  # selector (which inject_hyperparams would take for a schedule) does.
+  spec = so.FrameSpec(rows=0, cols=2)
+  for frames in ("flax", {r"query/kernel$": spec}):
+    ok = optax.inject_hyperparams(so.stiefel_attention)(
+        learning_rate=LR, frames=frames)
+    assert len(_frame_adam_states(ok.init(params))) == 1
+  ok = optax.inject_hyperparams(so.stiefel_attention, static_args=("frames",))(
+      learning_rate=LR, frames=lambda path, leaf: (
+          spec if path.endswith("query/kernel") else None))
   assert len(_frame_adam_states(ok.init(params))) == 1
 
 
@@ -589,10 +598,11 @@ def test_orthonormal_heads_init_gives_orthonormal_per_head_frames():
       return jnp.einsum("bd,dhk->bhk", x, q)
 
   p = QK().init(jax.random.key(1), jnp.ones((1, D)))["params"]
-  assert float(so.max_isometry_error(p, patterns="query")) <= ISO_TOL
+  assert float(so.max_isometry_error(p, {"query": so.FrameSpec(
+      rows=0, cols=2)})) <= ISO_TOL
   with pytest.raises(ValueError, match=r"\(d, heads, head_dim\)"):
     init(jax.random.key(0), (D, HEAD_DIM))
-  with pytest.raises(ValueError, match=r"r = 8 columns > d = 4"):
+  with pytest.raises(ValueError, match=r"head_dim = 8 > d = 4"):
     init(jax.random.key(0), (4, HEADS, HEAD_DIM))
 
 
@@ -631,7 +641,7 @@ _MANY_KERNELS = textwrap.dedent("""
       return jnp.asarray(q.transpose(1, 0, 2), jnp.float32)
     p0 = {f"layers_{i}": {n: {"kernel": frames(), "bias": jnp.zeros((2, 8))}
                           for n in ("query", "key", "value")} for i in range(4)}
-    n = sum(l == so.STIEFEL for l in jax.tree.leaves(so.qk_labels(p0)))
+    n = len(so.selected(p0))
     for retraction in sys.argv[1:]:
       tx = so.stiefel_attention(1e-2, retraction=retraction)
 

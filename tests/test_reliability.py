@@ -370,15 +370,9 @@ def _tree(**changes):
   return p
 
 
-def _labels(params, **stiefel):
-  lab = so.qk_labels(params)
-  for path, l in stiefel.items():
-    node = lab
-    *outer, last = path.split("__")
-    for k in outer:
-      node = node[k]
-    node[last] = l
-  return lab
+def _with(**extra):
+  """The default selection plus `extra` {path regex: FrameSpec}."""
+  return {r"(^|/)(query|key)/kernel$": so.FrameSpec(rows=0, cols=2), **extra}
 
 
 def _update(tx, params, grads=None, update_params="same"):
@@ -394,14 +388,13 @@ def _off_manifold(scale):
 
 # name -> (callable raising, regexes the message must contain)
 BAD_INPUTS = {
-    "rank-1 leaf labelled stiefel": (
-        lambda: so.stiefel_attention(LR, labels=_labels(
-            _tree(), bias=so.STIEFEL)).init(_tree()),
+    "rank-1 leaf selected": (
+        lambda: so.stiefel_attention(LR, frames=_with(
+            bias=so.FrameSpec())).init(_tree()),
         [r"bias", r"\(3,\)"]),
-    "scalar leaf labelled stiefel": (
-        lambda: so.stiefel_attention(LR, labels=_labels(
-            _tree(bias=jnp.zeros(())), bias=so.STIEFEL)).init(
-                _tree(bias=jnp.zeros(()))),
+    "scalar leaf selected": (
+        lambda: so.stiefel_attention(LR, frames=_with(
+            bias=so.FrameSpec())).init(_tree(bias=jnp.zeros(()))),
         [r"bias", r"\(\)"]),
     "rank-1 leaf in stiefel_adam": (
         lambda: so.stiefel_adam(LR).init({"w": jnp.zeros((5,))}),
@@ -415,7 +408,7 @@ BAD_INPUTS = {
         [r"attn/query/kernel", r"\(4, 2, 8\)"]),
     "head_dim > d, fused 2-D kernel": (
         lambda: so.stiefel_attention(
-            LR, head_dim=8, patterns=r"^fused$").init(
+            LR, frames={r"^fused$": so.FrameSpec(0, 1, heads=2)}).init(
                 {"fused": jnp.zeros((4, 16)), "b": jnp.zeros((3,))}),
         [r"fused", r"\(4, 16\)"]),
     "r > d in stiefel_adam": (
@@ -445,26 +438,28 @@ BAD_INPUTS = {
     "params=None in stiefel_adam.init": (
         lambda: so.stiefel_adam(LR).init(None),
         [r"params"]),
-    "labels missing a leaf": (
-        lambda: so.stiefel_attention(LR, labels={"attn": _labels(_tree())[
-            "attn"]}).init(_tree()),
-        [r"only in params \['bias'\]"]),
-    "labels with an extra leaf": (
-        lambda: so.stiefel_attention(LR, labels=dict(
-            _labels(_tree()), extra=so.EUCLIDEAN)).init(_tree()),
-        [r"only in labels \['extra'\]"]),
-    "labels with unknown values": (
-        lambda: so.stiefel_attention(LR, labels=jax.tree.map(
-            lambda l: "adam", _labels(_tree()))).init(_tree()),
-        [r"attn/query/kernel='adam'"]),
-    "patterns matching nothing (regex)": (
-        lambda: so.stiefel_attention(LR, patterns=r"(^|/)q_proj/kernel$").init(
-            _tree()),
-        [r"q_proj", r"attn/query/kernel"]),
-    "patterns matching nothing (callable)": (
+    "selector returning an invalid value": (
+        lambda: so.stiefel_attention(LR, frames=lambda path, leaf: (
+            "adam" if path == "attn/query/kernel" else None)).init(_tree()),
+        [r"attn/query/kernel: the frame selector returned 'adam'"]),
+    "mapping entry matching nothing": (
+        lambda: so.stiefel_attention(LR, frames=_with(
+            **{r"(^|/)q_proj/kernel$": so.FrameSpec()})).init(_tree()),
+        [r"q_proj", r"matches no parameter path", r"attn/query/kernel"]),
+    "selector selecting nothing (callable)": (
         lambda: so.stiefel_attention(
-            LR, patterns=lambda path, leaf: False).init(_tree()),
-        [r"no parameter path matches", r"attn/key/kernel"]),
+            LR, frames=lambda path, leaf: None).init(_tree()),
+        [r"selects no leaf", r"attn/key/kernel"]),
+    "start off the manifold at init": (
+        lambda: so.stiefel_attention(LR).init(_off_manifold(1.01)),
+        [r"attn/query/kernel", r"\(8, 2, 4\)", r"not orthonormal",
+         r"orthonormalize"]),
+    "rank-deficient head at init": (
+        lambda: so.stiefel_attention(LR, orthonormal_start="project").init(
+            _tree(attn__key={"kernel": make_params()["attn"]["key"][
+                "kernel"].at[:, 1].set(0.0)})),
+        [r"attn/key/kernel", r"\(8, 2, 4\)", r"frame \(1,\)",
+         r"rank-deficient"]),
     "start off the manifold (scaled)": (
         lambda: so.check_frames(_off_manifold(1.01)),
         [r"attn/query/kernel", r"\(8, 2, 4\)"]),
@@ -493,7 +488,7 @@ def test_good_inputs_pass_the_same_checks():
   p = _tree()
   so.check_frames(p)
   so.check_frames(_off_manifold(1.0 + 1e-7))
-  state = so.stiefel_attention(LR).init(p)  # validates labels and layouts
+  state = so.stiefel_attention(LR).init(p)  # validates frames and start
   assert len(frame_states(state)) == 1
   _update(so.stiefel_adam(LR), {"w": so.random_frames(jax.random.PRNGKey(0),
                                                        (8, 8))})  # r = d

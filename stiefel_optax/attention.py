@@ -1,0 +1,102 @@
+"""`stiefel_attention`: the attention query/key frames on the Stiefel
+manifold, every other parameter on AdamW, in one line.
+
+    tx = stiefel_optax.stiefel_attention(1e-3)      # was: optax.adamw(1e-3)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import optax
+
+from stiefel_optax import aliases, partition, specs as specs_lib
+
+
+def _euclidean_eps(eps):
+  """AdamW's eps: `eps`, or optax's default 1e-8 where eps = 0 (AdamW would
+  divide 0 / 0 on coordinates with zero gradient). Works for an eps that
+  `optax.inject_hyperparams` passes as an array."""
+  if isinstance(eps, (int, float)):
+    return eps if eps > 0 else 1e-8
+  return jnp.where(eps > 0, eps, 1e-8)
+
+
+def stiefel_attention(
+    learning_rate: optax.ScalarOrSchedule, *,
+    stiefel_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    weight_decay: float = 1e-4,
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+    max_step_norm: Optional[float] = aliases.DEFAULT_MAX_STEP_NORM,
+    frames: specs_lib.Selector = None,
+    orthonormal_start: str = "check",
+    retraction: str = "newton_schulz",
+    mu_dtype: Optional[Any] = None,
+    stiefel_tx: Optional[optax.GradientTransformation] = None,
+    euclidean_tx: Optional[optax.GradientTransformation] = None,
+) -> optax.GradientTransformation:
+  """Stiefel-Adam on the attention query/key frames, AdamW on the rest.
+
+  Per frame W (one per head by default) with gradient G:
+  g = P_W(G), m = b1 P_W(m) + (1 - b1) g, v = b2 v + (1 - b2) ||g||_F^2,
+  xi = -lr m_hat / (sqrt(v_hat) + eps) capped at ||xi||_F <= max_step_norm,
+  W+ = polar(W + xi) (`aliases.stiefel_adam`); every other leaf, and the
+  parts of fused kernels that are not frames, get `optax.adamw`.
+
+  Args:
+    learning_rate: AdamW's learning rate (float or schedule).
+    stiefel_learning_rate: the frames' (default: learning_rate).
+    weight_decay: AdamW's decoupled weight decay (the frames get none; it
+      would have zero Riemannian gradient anyway).
+    b1, b2, eps: shared by both groups, except that eps = 0 (the
+      scale-free Stiefel step) gives AdamW optax's default 1e-8: AdamW
+      divides per coordinate, and a coordinate whose gradient has been zero
+      would be 0 / 0 = NaN. Pass `euclidean_tx` for any other AdamW eps.
+    max_step_norm: trust-region radius per frame; None disables it.
+    frames: where the frames are (`specs`): None / "auto" recognises Flax
+      (linen, nnx), Gemma and MaxText layouts by path and shape and raises
+      where it cannot decide; "flax", "gemma", "maxtext" force a preset; a
+      mapping {path_regex: FrameSpec | None} or a callable
+      (path, leaf) -> FrameSpec | None describes any other model (a fused
+      nanoGPT `c_attn`: {r"c_attn/kernel$": fused_qkv(num_heads)}).
+    orthonormal_start: "check" (default: `init` names any frame that is not
+      orthonormal; call `orthonormalize` first) or "project" (the first
+      step retracts such frames onto the manifold, changing the model).
+    retraction: "newton_schulz" (default, matmul only) or "eigh".
+    mu_dtype: first-moment dtype of both groups.
+    stiefel_tx, euclidean_tx: replace either group's transform, e.g.
+      `stiefel_tx=stiefel_optax.riemannian_sgd(1e-2)`.
+
+  Non-finite gradients: the library skips the frame (a Stiefel frame whose
+  gradient holds a NaN or Inf gets a zero step and keeps its moments; see
+  `scale_by_frame_adam`); the AdamW group does not skip. To skip whole steps wrap the whole optimizer:
+  `optax.apply_if_finite(stiefel_attention(...), max_consecutive_errors)`.
+
+  Composes with `optax.inject_hyperparams` (learning rates, weight_decay,
+  b1, b2, eps and max_step_norm may be scheduled; a preset name, FrameSpec
+  or mapping passed as `frames` needs no static_args, a callable selector
+  does: static_args=("frames",)).
+
+  >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
+  >>> import stiefel_optax as so
+  >>> model = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)
+  >>> x = jnp.ones((1, 4, 16))
+  >>> params = so.orthonormalize(model.init(jax.random.key(0), x)["params"])
+  >>> tx = so.stiefel_attention(1e-3)
+  >>> state = tx.init(params)
+  >>> grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x)))(params)
+  >>> updates, state = tx.update(grads, state, params)
+  >>> bool(so.max_isometry_error(optax.apply_updates(params, updates)) < 1e-5)
+  True
+  """
+  inner = stiefel_tx or aliases.stiefel_adam(
+      stiefel_learning_rate if stiefel_learning_rate is not None
+      else learning_rate, b1, b2, eps, max_step_norm=max_step_norm,
+      retraction=retraction, mu_dtype=mu_dtype)
+  rest = euclidean_tx or optax.adamw(learning_rate, b1, b2,
+                                     _euclidean_eps(eps),
+                                     weight_decay=weight_decay,
+                                     mu_dtype=mu_dtype)
+  return partition.frame_partition(inner, rest, frames,
+                                   orthonormal_start=orthonormal_start)

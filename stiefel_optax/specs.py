@@ -1,0 +1,438 @@
+"""Where the frames of a model are: `FrameSpec`, the presets, one selector.
+
+A `FrameSpec` says which axes of one parameter leaf are the rows (d) and the
+columns (r) of its Stiefel frames, whether the columns split into heads, and
+whether only some equal parts of the leaf are frames (a fused Q/K/V kernel).
+A *selector* maps a whole parameter tree to one spec (or None, Euclidean) per
+leaf; it is one of
+
+* a preset name: ``"flax"``, ``"gemma"``, ``"maxtext"``, or ``"auto"`` (the
+  default, ``None``), which recognises the presets by paths and shapes;
+* a mapping ``{path_regex: FrameSpec | None}`` (regexes searched in the
+  '/'-joined path; every entry must match a leaf);
+* a callable ``(path, leaf) -> FrameSpec | None``;
+* one `FrameSpec` for every leaf (trees that hold only frames).
+
+The selector drives everything that touches frames: the partition of
+`stiefel_attention`, the frame views, `orthonormalize` and the diagnostics
+(as `optax.contrib.muon`'s dimension numbers drive Muon).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+
+Axes = Union[int, Sequence[int]]
+
+
+def _as_axes(axes: Axes) -> Tuple[int, ...]:
+  return (axes,) if isinstance(axes, int) else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameSpec:
+  """Where the frames of one leaf are.
+
+  Attributes:
+    rows: axis (or axes, merged in order) of the frames' d rows.
+    cols: axis (or axes, merged in order) of the frames' r columns.
+    heads: if set, the (merged) columns split into `heads` frames of
+      r / heads columns each, head-major (as Flax and nanoGPT lay out
+      fused projections); the heads become the last batch axis.
+    parts: if set, the leaf is `parts` equal blocks along `part_axis`, of
+      which only those in `take` are frames; the others are trained by the
+      Euclidean transform exactly as if the leaf were whole.
+    take: the indices of the parts that are frames (needs `parts`).
+    part_axis: the axis cut into parts; default: the first axis that is
+      neither a row nor a column axis, else the column axis (a fused
+      (d, 3d) Dense kernel is cut along its columns).
+
+  Every other axis is a batch of frames. Axes count on the whole leaf, so a
+  spec reads like the leaf's shape. Examples:
+
+  >>> from stiefel_optax import FrameSpec
+  >>> FrameSpec(rows=0, cols=2).frame_shape((64, 4, 16))       # linen MHA
+  (4, 64, 16)
+  >>> FrameSpec(rows=-2, cols=-1, parts=2, take=(0,)).frame_shape(
+  ...     (2, 1, 64, 16))                                 # gemma kv_einsum
+  (1, 1, 1, 64, 16)
+  >>> FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=4).frame_shape(
+  ...     (64, 192))                                      # nanoGPT c_attn
+  (2, 4, 64, 16)
+  """
+  rows: Axes = -2
+  cols: Axes = -1
+  heads: Optional[int] = None
+  parts: Optional[int] = None
+  take: Tuple[int, ...] = ()
+  part_axis: Optional[int] = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "rows", _as_axes(self.rows))
+    object.__setattr__(self, "cols", _as_axes(self.cols))
+    object.__setattr__(self, "take", tuple(int(t) for t in _as_axes(self.take)))
+    if not self.rows or not self.cols:
+      raise ValueError(f"{self}: a frame needs at least one row and one"
+                       " column axis.")
+    if self.heads is not None and not (isinstance(self.heads, int)
+                                       and self.heads >= 1):
+      raise ValueError(f"{self}: heads must be a positive int.")
+    if self.parts is None:
+      if self.take or self.part_axis is not None:
+        raise ValueError(f"{self}: take/part_axis need parts.")
+    else:
+      if not (isinstance(self.parts, int) and self.parts >= 1):
+        raise ValueError(f"{self}: parts must be a positive int.")
+      if (not self.take or len(set(self.take)) != len(self.take)
+          or any(not 0 <= t < self.parts for t in self.take)
+          or tuple(sorted(self.take)) != self.take):
+        raise ValueError(
+            f"{self}: take must list distinct parts in increasing order,"
+            f" each in [0, {self.parts}).")
+
+  def __repr__(self):
+    fields = [f"rows={_fmt(self.rows)}", f"cols={_fmt(self.cols)}"]
+    for name in ("heads", "parts"):
+      if getattr(self, name) is not None:
+        fields.append(f"{name}={getattr(self, name)}")
+    if self.take:
+      fields.append(f"take={self.take}")
+    if self.part_axis is not None:
+      fields.append(f"part_axis={self.part_axis}")
+    return f"FrameSpec({', '.join(fields)})"
+
+  def axes(self, ndim: int, name: str = "leaf"):
+    """(batch, rows, cols, part_axis) as non-negative axes of a rank-`ndim`
+    leaf (part_axis None without parts); ValueError naming `name`."""
+    def norm(axes):
+      for a in axes:
+        if not -ndim <= a < ndim:
+          raise ValueError(
+              f"{name}: {self} names axis {a}, but the leaf has rank {ndim}.")
+      return tuple(a % ndim for a in axes)
+    rows, cols = norm(self.rows), norm(self.cols)
+    if len(set(rows + cols)) != len(rows) + len(cols):
+      raise ValueError(f"{name}: {self} uses an axis twice.")
+    batch = tuple(a for a in range(ndim) if a not in rows + cols)
+    part = None
+    if self.parts is not None:
+      if self.part_axis is not None:
+        (part,) = norm((self.part_axis,))
+      else:
+        part = batch[0] if batch else cols[0]
+    return batch, rows, cols, part
+
+  def part_shape(self, shape, name: str = "leaf"):
+    """Shape of one part of a leaf of `shape` (the leaf's without parts)."""
+    shape = tuple(shape)
+    _, _, _, part = self.axes(len(shape), name)
+    if part is None:
+      return shape
+    if shape[part] % self.parts:
+      raise ValueError(
+          f"{name}: shape {shape} has {shape[part]} entries along axis"
+          f" {part}, not divisible into parts = {self.parts} ({self}).")
+    return shape[:part] + (shape[part] // self.parts,) + shape[part + 1:]
+
+  def frame_shape(self, shape, name: str = "leaf"):
+    """The (batch..., d, r) shape of the frames of a leaf of `shape`: the
+    taken parts (if any) first, then the batch axes in order, then heads."""
+    shape = tuple(shape)
+    batch, rows, cols, _ = self.axes(len(shape), name)
+    sub = self.part_shape(shape, name)
+    d = math.prod(sub[a] for a in rows)
+    r = math.prod(sub[a] for a in cols)
+    bshape = ((len(self.take),) if self.parts else ()) + tuple(
+        sub[a] for a in batch)
+    if self.heads is not None:
+      if r % self.heads:
+        raise ValueError(
+            f"{name}: shape {shape} has {r} columns per frame block, not"
+            f" divisible into heads = {self.heads} ({self}).")
+      bshape, r = bshape + (self.heads,), r // self.heads
+    return bshape + (d, r)
+
+
+def _fmt(axes):
+  return axes[0] if len(axes) == 1 else axes
+
+
+# --------------------------------------------------------------------------
+# Paths.
+
+
+def path_str(path) -> str:
+  """'a/b/0/kernel' for a jax key path; nnx's trailing 'value' is dropped so
+  that an `nnx.State` of Variables and its pure dict have the same paths."""
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
+      path[-1].name == "value") and len(path) > 1:
+    path = path[:-1]
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def _nearby(target: str, paths: Sequence[str], n: int = 6) -> str:
+  close = difflib.get_close_matches(target, paths, n=n, cutoff=0.0)
+  return ", ".join(close) if close else "(no leaves)"
+
+
+# --------------------------------------------------------------------------
+# Presets.
+
+QK_KERNEL = r"(^|/)(query|key)/kernel$"
+_GEMMA_Q = r"(^|/)q_einsum/w$"
+_GEMMA_KV = r"(^|/)kv_einsum/w$"
+_GEMMA_QKV = r"(^|/)qkv_einsum/w$"
+_FUSED = r"(^|/)c_attn/kernel$"
+
+# flax linen MultiHeadDotProductAttention / nnx MultiHeadAttention:
+# (d, heads, head_dim), nn.scan stacks (layers, d, heads, head_dim).
+FLAX = FrameSpec(rows=-3, cols=-1)
+# MaxText: (embed, heads, head_dim), scanned (embed, layers, heads, head_dim).
+MAXTEXT = FrameSpec(rows=0, cols=-1)
+# gemma: q_einsum (N, D, H); kv_einsum (2, K, D, H), [0] = key;
+# qkv_einsum (3, N, D, H), [0] = q, [1] = k (when K == N).
+GEMMA_Q = FrameSpec(rows=-2, cols=-1)
+GEMMA_KV = FrameSpec(rows=-2, cols=-1, parts=2, take=(0,), part_axis=0)
+GEMMA_QKV = FrameSpec(rows=-2, cols=-1, parts=3, take=(0, 1), part_axis=0)
+
+
+def fused_qkv(num_heads: int) -> FrameSpec:
+  """The spec of a nanoGPT-style fused (d, 3 d) `c_attn` kernel: the q and k
+  thirds of its columns, one frame per head.
+
+  >>> fused_qkv(4).frame_shape((128, 384))
+  (2, 4, 128, 32)
+  """
+  return FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=num_heads)
+
+
+class _Undecided(ValueError):
+  """A preset recognised a leaf by name but cannot fix its layout."""
+
+
+def _shape_error(path, shape, preset, wanted):
+  return _Undecided(
+      f"{path}: shape {tuple(shape)} does not fit preset {preset!r}"
+      f" (expects {wanted}). Pass frames={{{path!r}: FrameSpec(...)}} with the"
+      " leaf's row and column axes.")
+
+
+def _flax(path, leaf):
+  if re.search(QK_KERNEL, path):
+    if leaf.ndim in (3, 4):
+      return FLAX
+    raise _shape_error(path, leaf.shape, "flax",
+                       "(d, heads, head_dim) or nn.scan's (layers, d, heads,"
+                       " head_dim)")
+  return None
+
+
+def _maxtext(path, leaf):
+  if re.search(QK_KERNEL, path):
+    if leaf.ndim in (3, 4):
+      return MAXTEXT
+    raise _shape_error(path, leaf.shape, "maxtext",
+                       "(embed, heads, head_dim) or scanned (embed, layers,"
+                       " heads, head_dim)")
+  return None
+
+
+def _gemma(path, leaf):
+  shape = tuple(leaf.shape)
+  if re.search(_GEMMA_Q, path):
+    if len(shape) == 3:
+      return GEMMA_Q
+    raise _shape_error(path, shape, "gemma", "q_einsum (N, D, H)")
+  if re.search(_GEMMA_KV, path):
+    if len(shape) == 4 and shape[0] == 2:
+      return GEMMA_KV
+    raise _shape_error(path, shape, "gemma", "kv_einsum (2, K, D, H)")
+  if re.search(_GEMMA_QKV, path):
+    if len(shape) == 4 and shape[0] == 3:
+      return GEMMA_QKV
+    raise _shape_error(path, shape, "gemma", "qkv_einsum (3, N, D, H)")
+  return None
+
+
+def _auto(path, leaf):
+  """The presets, recognised by path and shape; never a silent guess."""
+  spec = _gemma(path, leaf)
+  if spec is not None:
+    return spec
+  if re.search(QK_KERNEL, path):
+    if leaf.ndim == 3:
+      return FLAX          # flax and (unscanned) MaxText agree here
+    if leaf.ndim == 4 and re.search(r"(^|/)self_attention/", path):
+      return MAXTEXT
+    if leaf.ndim == 4:
+      raise _Undecided(
+          f"{path}: shape {tuple(leaf.shape)} is a stacked attention kernel"
+          " whose layer axis cannot be told from the path: pass"
+          " frames='flax' for nn.scan's (layers, d, heads, head_dim) or"
+          " frames='maxtext' for (embed, layers, heads, head_dim).")
+    if leaf.ndim == 2:
+      raise _Undecided(
+          f"{path}: shape {tuple(leaf.shape)} is a 2-D attention kernel whose"
+          " heads cannot be told from its shape: pass"
+          f" frames={{{QK_KERNEL!r}: FrameSpec(rows=0, cols=1, heads=H)}}"
+          " (one frame per head) or FrameSpec(rows=0, cols=1) (one frame).")
+  if re.search(_FUSED, path):
+    raise _Undecided(
+        f"{path}: shape {tuple(leaf.shape)} is a fused q/k/v kernel: pass"
+        f" frames={{{_FUSED!r}: stiefel_optax.fused_qkv(num_heads)}}, i.e."
+        " FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=num_heads).")
+  return None
+
+
+PRESETS = {"auto": _auto, "flax": _flax, "gemma": _gemma, "maxtext": _maxtext}
+
+Selector = Union[None, str, FrameSpec, Mapping[str, Optional[FrameSpec]],
+                 Callable[[str, Any], Optional[FrameSpec]]]
+
+
+# --------------------------------------------------------------------------
+# Resolution: one spec (or None) per leaf, checked.
+
+
+def _check_spec(spec, path, leaf):
+  if spec is None:
+    return None
+  if not isinstance(spec, FrameSpec):
+    raise ValueError(
+        f"{path}: the frame selector returned {spec!r}; expected a FrameSpec"
+        " or None (Euclidean).")
+  shape = tuple(getattr(leaf, "shape", ()))
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{path}: shape {shape} with dtype {dtype} is selected"
+                     f" as frames by {spec}; a Stiefel frame must be floating"
+                     " point.")
+  if len(shape) < 2:
+    raise ValueError(f"{path}: shape {shape} is selected as frames by {spec};"
+                     " a frame needs rank >= 2.")
+  view = spec.frame_shape(shape, path)
+  d, r = view[-2:]
+  if r > d:
+    hint = ""
+    if len(shape) == 3 and shape[-1] <= shape[0]:
+      hint = (" If this is a (d, heads, head_dim) kernel, FrameSpec(rows=0,"
+              " cols=2) fits.")
+    elif len(shape) == 3 and shape[-1] <= shape[-2]:
+      hint = (" If this is a (heads, d, head_dim) kernel, FrameSpec(rows=1,"
+              " cols=2) fits.")
+    raise ValueError(
+        f"{path}: shape {shape} gives frames of (d, r) = ({d}, {r}) under"
+        f" {spec}: r > d, so they cannot be orthonormal.{hint} Or leave the"
+        " leaf out of frames= (Euclidean).")
+  return spec
+
+
+def _selector_fn(frames: Selector):
+  """(fn(path, leaf) -> spec | None, entries that must each match a leaf,
+  description)."""
+  if frames is None:
+    frames = "auto"
+  if isinstance(frames, str):
+    if frames not in PRESETS:
+      raise ValueError(f"frames={frames!r} is not a preset; the presets are"
+                       f" {sorted(PRESETS)} (or pass a mapping"
+                       " {path_regex: FrameSpec} or a callable).")
+    return PRESETS[frames], {}, f"preset {frames!r}"
+  if isinstance(frames, FrameSpec):
+    return (lambda path, leaf: frames), {}, repr(frames)
+  if isinstance(frames, Mapping):
+    entries = {}
+    for pattern, spec in frames.items():
+      if not isinstance(pattern, str):
+        raise ValueError(f"frames: key {pattern!r} must be a path regex (str).")
+      if spec is not None and not isinstance(spec, FrameSpec):
+        raise ValueError(f"frames[{pattern!r}] = {spec!r}: expected a"
+                         " FrameSpec or None.")
+      try:
+        entries[pattern] = (re.compile(pattern), spec)
+      except re.error as err:
+        raise ValueError(f"frames: {pattern!r} is not a valid regex: {err}.")
+
+    def fn(path, leaf):
+      hits = [(p, s) for p, (c, s) in entries.items() if c.search(path)]
+      if len({s for _, s in hits}) > 1:
+        raise ValueError(
+            f"{path}: matched by several frames= entries with different"
+            f" specs: {hits}. Make the regexes disjoint.")
+      return hits[0][1] if hits else None
+
+    return fn, {p: c for p, (c, _) in entries.items()}, "frames mapping"
+  if callable(frames):
+    return frames, {}, f"callable {getattr(frames, '__name__', frames)!r}"
+  raise ValueError(
+      f"frames={frames!r} is not a frame selector: pass a preset name"
+      f" {sorted(PRESETS)}, a FrameSpec, a mapping {{path_regex: FrameSpec}},"
+      " or a callable (path, leaf) -> FrameSpec | None. (Under"
+      " optax.inject_hyperparams a callable selector is taken for a schedule"
+      " unless static_args=('frames',).)")
+
+
+def frame_specs(params, frames: Selector = None) -> list:
+  """[(path, leaf, FrameSpec | None)] for the leaves of `params` in
+  flattening order, every selected leaf checked.
+
+  Raises ValueError, naming the path, the shape and a spec that fits, when
+  a leaf's layout cannot be decided, a spec does not fit its leaf (r > d,
+  parts or heads that do not divide), a mapping entry matches no leaf, or
+  nothing is selected at all.
+  """
+  if params is None or not jax.tree.leaves(params):
+    raise ValueError(
+        f"params is {'None' if params is None else 'a tree with no arrays'}:"
+        " the Stiefel frames are part of the step, so init and update need"
+        " the parameter tree (tx.init(params), tx.update(grads, state,"
+        " params)).")
+  fn, must_match, what = _selector_fn(frames)
+  items = [(path_str(p), x) for p, x in
+           jax.tree_util.tree_leaves_with_path(params)]
+  paths = [p for p, _ in items]
+  if len(set(paths)) != len(paths):
+    dup = sorted({p for p in paths if paths.count(p) > 1})
+    raise ValueError(f"params has several leaves with the same path {dup[:4]};"
+                     " frame selection needs unique paths.")
+  out = []
+  for path, leaf in items:
+    try:
+      spec = fn(path, leaf)
+    except _Undecided as err:
+      raise ValueError(str(err)) from None
+    out.append((path, leaf, _check_spec(spec, path, leaf)))
+  for pattern, compiled in must_match.items():
+    if not any(compiled.search(p) for p in paths):
+      raise ValueError(
+          f"frames: entry {pattern!r} matches no parameter path; nearby paths:"
+          f" {_nearby(pattern, paths)}. Fix the regex or drop the entry.")
+  if all(spec is None for _, _, spec in out):
+    raise ValueError(
+        f"frames: {what} selects no leaf as frames; the tree has"
+        f" {len(paths)} leaves: {', '.join(paths[:12])}"
+        f"{' ...' if len(paths) > 12 else ''}. Pass frames= (a preset, a"
+        " mapping {path_regex: FrameSpec} or a callable) that names the"
+        " query/key kernels.")
+  return out
+
+
+def selected(params, frames: Selector = None) -> dict:
+  """{path: FrameSpec} of the leaves `frames` selects: what a user checks
+  before training.
+
+  >>> import jax.numpy as jnp
+  >>> from stiefel_optax import selected
+  >>> tree = {"attn": {"query": {"kernel": jnp.zeros((8, 2, 4))},
+  ...                  "value": {"kernel": jnp.zeros((8, 2, 4))}}}
+  >>> selected(tree)
+  {'attn/query/kernel': FrameSpec(rows=-3, cols=-1)}
+  """
+  return {p: s for p, _, s in frame_specs(params, frames) if s is not None}
