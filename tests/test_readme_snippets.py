@@ -32,7 +32,14 @@ def _trained(ns):
   if "state" in ns and hasattr(ns["state"], "opt_state"):  # TrainState
     st = ns["state"]
     return st.params, st.opt_state, int(st.step)
+  if "tx" in ns and "state" in ns and "updates" in ns:     # a plain optax loop
+    fs = [x for x in jax.tree.leaves(ns["state"], is_leaf=_is_fs) if _is_fs(x)]
+    return ns["params"], ns["state"], int(fs[0].count) if fs else 0
   return None
+
+
+def _is_fs(x):
+  return isinstance(x, so.ScaleByFrameAdamState)
 
 
 def test_readme_has_the_two_one_line_switch_snippets():
@@ -53,7 +60,7 @@ def test_readme_python_block_runs(index):
     return                      # not a training snippet: running it is the test
   params, opt_state, steps = trained
   assert steps >= 1
-  errs = so.frame_isometry_errors(params)
+  errs = so.frame_isometry_errors(params, ns.get("frames"))
   assert errs, "no query/key frame found in the snippet's model"
   assert max(float(jnp.max(e)) for e in errs.values()) <= 1e-5
   # The Stiefel group took the step: its moments are set, one scalar per frame.
