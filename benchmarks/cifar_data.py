@@ -1,11 +1,16 @@
 """CIFAR-10 for the patch benchmark: the official python-version batches,
-or the lossless subset shipped in ../shared/data, or tiny synthetic images.
+the lossless subset (an .npz, e.g. ../shared/data/cifar10-subset.npz), or
+tiny synthetic images.
 
-    ds = load_cifar10()                  # --data-dir / $CIFAR10_DIR, else the subset
-    ds = load_cifar10("~/data", download=True)   # fetch the official tarball
+    ds = load_cifar10()                       # $CIFAR10_DIR, else the subset
+    ds = load_cifar10("path/cifar10-subset.npz")     # any source: an .npz,
+    ds = load_cifar10("~/data")               # a folder holding cifar-10-batches-py/
+    ds = load_cifar10("~/data", download_missing=True)   # fetch the tarball
 
-Every `Dataset` records in `source` which data it holds, so each result can
-say whether it came from the full set, the subset or synthetic images.
+Every `Dataset` records in `source` which data it holds by content, never by
+location: 'full:md5=<md5>' (md5 of the six batch files' md5s),
+'subset:md5=<the .npz file's md5>' or 'synthetic:<seed>:md5=<arrays' md5>'.
+`location` says where it was read from (for messages only; never recorded).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import urllib.request
 from typing import NamedTuple, Optional
 
 import numpy as np
+
+from benchmarks import harness
 
 ENV_VAR = "CIFAR10_DIR"
 FOLDER = "cifar-10-batches-py"
@@ -40,13 +47,14 @@ CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
 
 
 class Dataset(NamedTuple):
-  """uint8 images (N, 32, 32, 3) HWC RGB, uint8 labels (N,), and `source`:
-  'full:<dir>', 'subset:<file>' or 'synthetic:<seed>'."""
+  """uint8 images (N, 32, 32, 3) HWC RGB, uint8 labels (N,), `source` (the
+  content id: kind and md5) and `location` (where it was read, or '')."""
   x_train: np.ndarray
   y_train: np.ndarray
   x_test: np.ndarray
   y_test: np.ndarray
   source: str
+  location: str = ""
 
 
 def md5sum(path: os.PathLike, chunk: int = 1 << 20) -> str:
@@ -57,11 +65,13 @@ def md5sum(path: os.PathLike, chunk: int = 1 << 20) -> str:
   return h.hexdigest()
 
 
-def check_md5(path: os.PathLike, expected: str) -> None:
-  got = md5sum(path)
+def check_md5(path: os.PathLike, expected: str, got: Optional[str] = None) -> str:
+  """The file's md5 (given or computed), which must equal `expected`."""
+  got = got or md5sum(path)
   if got != expected:
     raise ValueError(f"{path}: md5 {got}, expected {expected}; the file is"
                      " corrupt or not the official CIFAR-10 file.")
+  return got
 
 
 def batches_dir(data_dir: os.PathLike) -> pathlib.Path:
@@ -118,16 +128,19 @@ def load_batches(data_dir: os.PathLike, *, verify_md5: bool = True) -> Dataset:
     raise FileNotFoundError(
         f"CIFAR-10 folder {folder} lacks {', '.join(missing)}. Put the"
         f" extracted {TARBALL} there, pass download=True (--download), or"
-        f" leave --data-dir/${ENV_VAR} unset to use the shipped subset.")
-  parts = {}
+        f" give the subset's .npz (--data PATH).")
+  parts, md5s = {}, []
   for name, md5 in {**TRAIN_FILES, **TEST_FILES}.items():
+    got = md5sum(folder / name)
     if verify_md5:
-      check_md5(folder / name, md5)
+      check_md5(folder / name, md5, got)
+    md5s.append(f"{name} {got}")
     parts[name] = read_batch(folder / name)
   x_tr = np.concatenate([parts[n][0] for n in TRAIN_FILES])
   y_tr = np.concatenate([parts[n][1] for n in TRAIN_FILES])
   x_te, y_te = parts["test_batch"]
-  return Dataset(x_tr, y_tr, x_te, y_te, f"full:{folder}")
+  digest = hashlib.md5("\n".join(md5s).encode()).hexdigest()
+  return Dataset(x_tr, y_tr, x_te, y_te, f"full:md5={digest}", str(folder))
 
 
 def default_subset_path() -> pathlib.Path:
@@ -139,33 +152,40 @@ def default_subset_path() -> pathlib.Path:
 def load_subset(path: Optional[os.PathLike] = None, *,
                 verify_md5: bool = True) -> Dataset:
   """The lossless subset (8,068 train / 1,017 test images)."""
-  path = pathlib.Path(path) if path is not None else default_subset_path()
+  path = (pathlib.Path(path).expanduser() if path is not None
+          else default_subset_path())
   if not path.is_file():
     raise FileNotFoundError(
-        f"{path} not found: neither a CIFAR-10 folder (--data-dir or"
+        f"{path} not found: neither a CIFAR-10 folder (--data PATH or"
         f" ${ENV_VAR}) nor the subset {SUBSET_NAME} is available.")
+  got = md5sum(path)
   if verify_md5:
-    check_md5(path, SUBSET_MD5)
+    check_md5(path, SUBSET_MD5, got)
   with np.load(path) as z:
     return Dataset(z["x_train"], z["y_train"], z["x_test"], z["y_test"],
-                   f"subset:{path}")
+                   f"subset:md5={got}", str(path))
 
 
-def load_cifar10(data_dir: Optional[os.PathLike] = None, *,
+def load_cifar10(data: Optional[os.PathLike] = None, *,
                  download_missing: bool = False,
                  subset_path: Optional[os.PathLike] = None,
                  verify_md5: bool = True) -> Dataset:
-  """The full set from data_dir (or $CIFAR10_DIR), else the subset.
+  """Any CIFAR-10 source: `data` (else $CIFAR10_DIR) is the subset's .npz
+  file, the cifar-10-batches-py folder or a folder holding it; with neither,
+  the subset at `subset_path` (default ../shared/data beside the repository).
 
-  A data_dir that is given but incomplete is an error (naming the missing
+  A folder that is given but incomplete is an error (naming the missing
   files) unless download_missing, which fetches the official tarball.
   """
-  data_dir = data_dir or os.environ.get(ENV_VAR) or None
-  if data_dir is None:
+  data = data or os.environ.get(ENV_VAR) or None
+  if data is None:
     return load_subset(subset_path, verify_md5=verify_md5)
-  if download_missing and missing_files(batches_dir(data_dir)):
-    download(batches_dir(data_dir).parent)
-  return load_batches(data_dir, verify_md5=verify_md5)
+  path = pathlib.Path(data).expanduser()
+  if path.is_file() or path.suffix == ".npz":
+    return load_subset(path, verify_md5=verify_md5)
+  if download_missing and missing_files(batches_dir(path)):
+    download(batches_dir(path).parent)
+  return load_batches(path, verify_md5=verify_md5)
 
 
 def synthetic(n_train: int = 512, n_test: int = 128, seed: int = 0) -> Dataset:
@@ -182,7 +202,8 @@ def synthetic(n_train: int = 512, n_test: int = 128, seed: int = 0) -> Dataset:
 
   x_tr, y_tr = make(n_train)
   x_te, y_te = make(n_test)
-  return Dataset(x_tr, y_tr, x_te, y_te, f"synthetic:{seed}")
+  md5 = harness.md5_arrays(x_tr, y_tr, x_te, y_te)
+  return Dataset(x_tr, y_tr, x_te, y_te, f"synthetic:{seed}:md5={md5}")
 
 
 def channel_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

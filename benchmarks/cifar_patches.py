@@ -3,6 +3,9 @@ against AdamW, with data scaling, baselines and ablations (paired seeds).
 
     python -m benchmarks.cifar_patches            # the full protocol, resumable
     python -m benchmarks.cifar_patches --quick    # synthetic images, < 1 minute
+    python -m benchmarks.cifar_patches --data PATH --seeds 500-511 --out DIR
+    python -m benchmarks.cifar_patches --report-only --out benchmarks/results/cifar \
+        --data PATH --results-md benchmarks/RESULTS.md   # the committed tables
 
 Every arm trains the same `PatchViT` with the same AdamW on every parameter
 except the attention query/key kernels, whose optimizer is the arm's recipe
@@ -10,7 +13,9 @@ except the attention query/key kernels, whose optimizer is the arm's recipe
 subset, the non-Q/K initialisation and the batch order for every arm. Each
 arm's Q/K learning rate (and the Stiefel step cap) is chosen on a validation
 split carved from the training images; the test images are only evaluated.
-Each finished run is written at once to <out>/runs/; a rerun skips it.
+Each finished run is written at once to <out>/runs/ (default runs/cifar/,
+ignored by git); a rerun skips it if its identity (configuration, data md5,
+library version: `benchmarks.harness`) is unchanged.
 """
 
 from __future__ import annotations
@@ -18,11 +23,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 import pathlib
-import platform
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -32,11 +35,10 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import cifar_data, stats
+from benchmarks import cifar_data, harness, stats
 from benchmarks.patch_vit import PatchViT, PatchViTConfig
 
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "cifar"
-RESULTS_MD = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
+REFERENCE_OUT = harness.REFERENCE_ROOT / "cifar"
 SECTION = "## CIFAR-10 patch benchmark"
 
 
@@ -92,6 +94,18 @@ def qk_per_coordinate(lr, *, cap=so.aliases.DEFAULT_MAX_STEP_NORM, eps=1e-8, **_
 def qk_no_cap(lr, *, eps=1e-8, **_):
   """Ablation: Stiefel-Adam without the trust-region cap."""
   return so.stiefel_adam(lr, eps=eps, max_step_norm=None)
+
+
+# The Q/K frames of `PatchViT`'s (d, heads, head_dim) kernels: one frame per
+# head (the library's default), or one (d, heads * head_dim) frame per
+# projection (the `whole_frame` ablation).
+PER_HEAD = "flax"
+WHOLE_FRAME = {so.specs.QK_KERNEL: so.FrameSpec(rows=-3, cols=(-2, -1))}
+
+
+def frames_of(per_head: bool):
+  """The frame selector of an arm's layout."""
+  return PER_HEAD if per_head else WHOLE_FRAME
 
 
 class Arm(NamedTuple):
@@ -162,10 +176,9 @@ class Config:
 
 
 def fingerprint(cfg: Config, source: str) -> str:
-  """A short hash of the configuration and data source: runs with another
-  fingerprint are not reused."""
-  blob = json.dumps({"cfg": cfg.to_dict(), "data": source}, sort_keys=True)
-  return hashlib.sha1(blob.encode()).hexdigest()[:12]
+  """The runs' identity: configuration, data content id (md5) and library
+  version; runs with another identity are not reused."""
+  return harness.identity(cfg.to_dict(), source)
 
 
 def validation_split(n_train: int, cfg: Config):
@@ -208,7 +221,7 @@ def orthonormal_start(params, *, per_head: bool, passes: int = 2):
   nearly orthonormal result is exact to rounding (and changes a per-head
   frame only at rounding level)."""
   for _ in range(passes):
-    params = so.orthonormalize(params, per_head=per_head)
+    params = so.orthonormalize(params, frames_of(per_head))
   return params
 
 
@@ -224,8 +237,10 @@ def make_tx(arm: Arm, hp: dict, base_lr: float, total_steps: int, cfg: Config):
   kw.update({k: v for k, v in hp.items() if k != "lr"})
   qk_lr = schedule(hp["lr"], total_steps, cfg) if "lr" in hp else None
   rest_lr = schedule(base_lr, total_steps, cfg)
+  # Arms that start off the manifold (adamw) train raw kernels: no start check.
   return so.stiefel_attention(
-      rest_lr, per_head=arm.per_head,
+      rest_lr, frames=frames_of(arm.per_head),
+      orthonormal_start="check" if arm.orthonormal else "project",
       stiefel_tx=arm.recipe(qk_lr, weight_decay=cfg.weight_decay, **kw),
       euclidean_tx=optax.adamw(rest_lr, weight_decay=cfg.weight_decay))
 
@@ -291,6 +306,7 @@ class Bench:
     # {arm: hp} chosen elsewhere (--hp-from): those arms are not re-tuned.
     self.inherit, self.inherit_from = dict(inherit or {}), inherit_from
     self.fp = fingerprint(cfg, data.source)
+    self.store = harness.RunStore(out, indent=1)
     self.model = PatchViT(cfg.model)
     mean, std = cifar_data.channel_stats(data.x_train)
     self.mean, self.std = jnp.asarray(mean), jnp.asarray(std)
@@ -305,15 +321,9 @@ class Bench:
     (self.out / "runs").mkdir(parents=True, exist_ok=True)
 
   # results on disk --------------------------------------------------------
-  def path(self, task: Task) -> pathlib.Path:
-    return self.out / "runs" / f"{task.name}.json"
-
   def load(self, task: Task) -> Optional[dict]:
-    p = self.path(task)
-    if not p.is_file():
-      return None
-    rec = json.loads(p.read_text())
-    if rec.get("fingerprint") != self.fp:
+    rec = self.store.load(task.name, self.fp)
+    if rec is None:
       return None
     try:   # stale if the chosen hyperparameters have changed since
       if task.kind == "run" and rec.get("hp") != self.chosen(task.arm):
@@ -323,11 +333,6 @@ class Bench:
     except RuntimeError:
       return None
     return rec
-
-  def save(self, task: Task, rec: dict) -> None:
-    tmp = self.path(task).with_suffix(".tmp")
-    tmp.write_text(json.dumps(rec, indent=1))
-    os.replace(tmp, self.path(task))
 
   # tuning -----------------------------------------------------------------
   def chosen(self, arm_name: str) -> dict:
@@ -387,8 +392,8 @@ class Bench:
                                       jnp.asarray(idx[e]))
       losses.append(float(loss))
       curve.append(float(self.accuracy(params, ex, ey)))
-    iso = float(so.max_isometry_error(params, per_head=arm.per_head))
-    move = so.frame_movement(start, params, per_head=arm.per_head)
+    iso = float(so.max_isometry_error(params, frames_of(arm.per_head)))
+    move = so.frame_movement(start, params, frames_of(arm.per_head))
     rec = {
         "kind": task.kind, "arm": task.arm, "seed": task.seed, "n": task.n,
         "hp": hp, "base_lr": base_lr, "fixed": dict(arm.fixed),
@@ -400,25 +405,21 @@ class Bench:
         "train_loss": losses, "qk_isometry_error": iso,
         "qk_movement": float(sum(float(jnp.sum(m)) for m in move.values())),
         "wall_s": time.time() - t0, "data": self.data.source,
-        "fingerprint": self.fp, "config": cfg.to_dict(),
+        "identity": self.fp, "library_version": harness.library_version(),
+        "code_hash": harness.code_hash(), "config": cfg.to_dict(),
         "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "machine": machine(),
+        "machine": harness.machine(),
     }
-    self.save(task, rec)
+    self.store.save(task.name, rec)
     return rec
-
-
-def machine() -> str:
-  return (f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs,"
-          f" jax {jax.__version__} {jax.default_backend()}")
 
 
 # --------------------------------------------------------------------------
 # The plan: most important results first.
 
 
-def plan(bench: Bench, sizes: Sequence[int], main_seeds: int,
-         other_seeds: int, arms: Sequence[str]) -> list:
+def plan(bench: Bench, sizes: Sequence[int], main_seeds: Sequence[int],
+         other_seeds: Sequence[int], arms: Sequence[str]) -> list:
   """Tuning, then adamw vs stiefel at each n (largest first, seeds
   interleaved), then the baselines, ablations and eps sweep at the largest n."""
   unknown = sorted(set(arms) - set(bench.arms))
@@ -430,12 +431,12 @@ def plan(bench: Bench, sizes: Sequence[int], main_seeds: int,
   for a in main:
     tasks += bench.tune_tasks(a)
   for n in sorted(sizes, reverse=True):
-    for s in range(main_seeds):
+    for s in main_seeds:
       tasks += [Task("run", a, s, n) for a in main]
   for group in ("baseline", "ablation", "eps"):
     for a in (a for a in arms if bench.arms[a].group == group):
       tasks += bench.tune_tasks(a)
-      tasks += [Task("run", a, s, max(sizes)) for s in range(other_seeds)]
+      tasks += [Task("run", a, s, max(sizes)) for s in other_seeds]
   return tasks
 
 
@@ -443,19 +444,29 @@ def plan(bench: Bench, sizes: Sequence[int], main_seeds: int,
 # Statistics, tables, plots.
 
 
-def collect(out: pathlib.Path, fp: Optional[str] = None) -> list:
-  recs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
-  return [r for r in recs if fp is None or r.get("fingerprint") == fp]
+def collect(out: pathlib.Path, data: Optional[str] = None,
+            config: Optional[dict] = None) -> list:
+  """The saved records of `out` made on `data` with `config` (default:
+  each record's own, e.g. in the supplementary folders) under whatever
+  library version each records; every record if data is None."""
+  recs = harness.RunStore(out).records()
+  if data is None:
+    return recs
+  return [r for r in recs if harness.matches(r, config, data)]
 
 
-def accuracies(recs, arm: str, n: int) -> dict:
+def accuracies(recs, arm: str, n: int, block: str = "discovery") -> dict:
   return {r["seed"]: 100.0 * r["test_acc"] for r in recs
-          if r["kind"] == "run" and r["arm"] == arm and r["n"] == n}
+          if r["kind"] == "run" and r["arm"] == arm and r["n"] == n
+          and harness.seed_block(r["seed"]) == block}
 
 
-def compare(recs, treatment: str, baseline: str, n: int) -> Optional[dict]:
-  """paired_comparison (pp) over the seeds both arms finished at n."""
-  a, b = accuracies(recs, treatment, n), accuracies(recs, baseline, n)
+def compare(recs, treatment: str, baseline: str, n: int,
+            block: str = "discovery") -> Optional[dict]:
+  """paired_comparison (pp) over the seeds of `block` (discovery or
+  confirmation) both arms finished at n."""
+  a = accuracies(recs, treatment, n, block)
+  b = accuracies(recs, baseline, n, block)
   seeds = sorted(set(a) & set(b))
   if not seeds:
     return None
@@ -466,9 +477,18 @@ def compare(recs, treatment: str, baseline: str, n: int) -> Optional[dict]:
   return out
 
 
-def comparisons(recs) -> list:
+def with_holm(rows: list) -> list:
+  """rows (None for comparisons not run) with 'holm': the p-values
+  Holm-adjusted across the rows of the table."""
+  run = [r for r in rows if r is not None]
+  for r, h in zip(run, stats.holm([r["p"] for r in run])):
+    r["holm"] = h
+  return rows
+
+
+def comparisons(recs, block: str = "discovery") -> list:
   """stiefel vs adamw at every n; each other arm vs adamw and vs stiefel
-  at every n where it ran."""
+  at every n where it ran; Holm-adjusted across them."""
   sizes = sorted({r["n"] for r in recs if r["kind"] == "run"})
   rows = []
   for n in sizes:
@@ -476,9 +496,23 @@ def comparisons(recs) -> list:
       if arm == "adamw":
         continue
       for base in ("adamw", "stiefel"):
-        if base != arm and (row := compare(recs, arm, base, n)) is not None:
+        if base != arm and (row := compare(recs, arm, base, n, block)) is not None:
           rows.append(row)
-  return rows
+  return with_holm(rows)
+
+
+def findings(discovery: list, confirmation: list) -> list:
+  """The confirmation rows that are findings under the claims policy:
+  Holm p < 0.05 across the confirmation table, same sign as on the
+  discovery seeds."""
+  first = {(r["treatment"], r["baseline"], r["size"]): r for r in discovery}
+  out = []
+  for r in confirmation:
+    d = first.get((r["treatment"], r["baseline"], r["size"]))
+    if (d is not None and r["holm"] < 0.05
+        and np.sign(r["mean_diff"]) == np.sign(d["mean_diff"]) != 0):
+      out.append(r)
+  return out
 
 
 def chosen_table(recs) -> dict:
@@ -496,14 +530,14 @@ def fmt(x, nd=2):
 
 def markdown_table(rows) -> str:
   lines = ["| treatment | baseline | n | pairs | treatment acc % | baseline acc %"
-           " | gain pp [95% CI] | paired t | p | wins |",
-           "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+           " | gain pp [95% CI] | paired t | p | Holm p | wins |",
+           "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
   for r in rows:
     lines.append(
         f"| {r['treatment']} | {r['baseline']} | {r['size']} | {r['n']} |"
         f" {r['mean_treatment']:.2f} | {r['mean_baseline']:.2f} |"
         f" {fmt(r['mean_diff'])} [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}] |"
-        f" {r['t']:.2f} | {r['p']:.2g} | {r['wins']}/{r['n']} |")
+        f" {r['t']:.2f} | {r['p']:.2g} | {r['holm']:.2g} | {r['wins']}/{r['n']} |")
   return "\n".join(lines)
 
 
@@ -512,9 +546,7 @@ PAPER_GAIN = {1000: 1.9, 10000: 6.79, 50000: 6.7}
 
 
 def plot_gain_vs_n(rows, path: pathlib.Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = harness.pyplot()
   sel = sorted((r for r in rows if r["treatment"] == "stiefel"
                 and r["baseline"] == "adamw"), key=lambda r: r["size"])
   fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -533,15 +565,11 @@ def plot_gain_vs_n(rows, path: pathlib.Path) -> None:
   ax.set_xlabel("training images n")
   ax.set_ylabel("test accuracy gain (pp)")
   ax.set_title("Stiefel-Adam on Q/K vs AdamW, paired seeds")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  harness.save_figure(fig, path, dpi=120)
 
 
 def plot_curves(recs, n: int, path: pathlib.Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = harness.pyplot()
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
   for k, arm in enumerate(ARMS):
     cs = [r["test_curve"] for r in recs
@@ -558,9 +586,7 @@ def plot_curves(recs, n: int, path: pathlib.Path) -> None:
   ax.set_ylabel("test accuracy % (mean ± sd over seeds)")
   ax.set_title(f"CIFAR-10 patch transformer, n = {n}")
   ax.legend(fontsize=7, ncol=2)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  harness.save_figure(fig, path, dpi=120)
 
 
 def frame_summary(runs, key: str) -> dict:
@@ -577,13 +603,20 @@ def frame_summary(runs, key: str) -> dict:
   return {a: float(np.mean(v)) for a, v in vals.items()}
 
 
-def report(out: pathlib.Path, fp: Optional[str] = None) -> dict:
-  """Writes summary.json, table.md and the PNGs from the finished runs."""
-  recs = collect(out, fp)
+def report(out: pathlib.Path, data: Optional[str] = None,
+           config: Optional[dict] = None, plots: bool = True) -> dict:
+  """Writes summary.json, table.md and (plots) the PNGs from the finished
+  runs (those of `collect(out, data, config)`)."""
+  recs = collect(out, data, config)
   rows = comparisons(recs)
   runs = [r for r in recs if r["kind"] == "run"]
+  blocks = {}
+  for r in runs:
+    blocks.setdefault(harness.seed_block(r["seed"]), set()).add(r["seed"])
   summary = {
       "comparisons": rows, "paper_rows": paper_comparisons(recs),
+      "confirmation": comparisons(recs, "confirmation"),
+      "seeds": {b: harness.format_seeds(s) for b, s in sorted(blocks.items())},
       "tuning": chosen_table(recs),
       "chosen": {r["arm"]: r["hp"] for r in runs},
       "base_lr": next((r["base_lr"] for r in runs if r["arm"] != "adamw"), None),
@@ -593,12 +626,13 @@ def report(out: pathlib.Path, fp: Optional[str] = None) -> dict:
       "run_wall_s": float(sum(r["wall_s"] for r in runs)),
       "tuning_wall_s": float(sum(r["wall_s"] for r in recs if r["kind"] == "tune")),
       "data": sorted({r["data"] for r in recs}),
+      "library_version": sorted({r["library_version"] for r in recs}),
       "config": recs[0]["config"] if recs else None,
-      "machine": sorted({r["machine"] for r in recs}),
+      "machine": sorted({harness.machine_line(r["machine"]) for r in recs}),
   }
-  (out / "summary.json").write_text(json.dumps(summary, indent=1))
-  (out / "table.md").write_text(markdown_table(rows) + "\n")
-  if runs:
+  harness.write_json(out / "summary.json", summary, indent=1)
+  harness.write_text(out / "table.md", markdown_table(rows) + "\n")
+  if runs and plots:
     plot_gain_vs_n(rows, out / "gain_vs_n.png")
     plot_curves(recs, max(r["n"] for r in runs), out / "curves.png")
   return summary
@@ -643,7 +677,7 @@ def paper_comparisons(recs) -> list:
                 & {r["n"] for r in recs if r["kind"] == "run" and r["arm"] == b})
       n = max(common) if common else None
     out.append(compare(recs, t, b, n) if n is not None else None)
-  return out
+  return with_holm(out)
 
 
 def _ours(r) -> str:
@@ -651,27 +685,28 @@ def _ours(r) -> str:
     return "not run"
   return (f"{fmt(r['mean_diff'])} pp [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]"
           f" at n = {r['size']}, t = {r['t']:.2f}, p = {r['p']:.2g},"
-          f" wins {r['wins']}/{r['n']}")
+          f" Holm p = {r['holm']:.2g}, wins {r['wins']}/{r['n']}")
 
 
 def paper_table(rows) -> str:
-  lines = ["| comparison | paper | ours (mean gain, 95% CI, paired t, wins) |",
+  lines = ["| comparison | paper | ours (mean gain, 95% CI, paired t, Holm-adjusted"
+           " p across this table, wins) |",
            "|---|---|---|"]
   for (label, _, _, _, paper), r in zip(PAPER_ROWS, rows):
     lines.append(f"| {label} | {paper} | {_ours(r)} |")
   return "\n".join(lines)
 
 
-def supplementary_text(out: pathlib.Path) -> str:
+def supplementary_text(out: pathlib.Path, data: str) -> str:
   """The tables of runs kept in subfolders of out (other configurations,
-  e.g. --dim 64 or --epochs 15 with --hp-from)."""
+  e.g. --dim 64 or --epochs 15 with --hp-from), each subfolder's report
+  regenerated from its raw runs."""
   parts = []
   for sub in sorted(p for p in pathlib.Path(out).iterdir() if p.is_dir()):
-    f = sub / "summary.json"
-    if not f.is_file():
+    recs = [r for r in collect(sub, data=data) if r["kind"] == "run"]
+    if not recs:
       continue
-    sm = json.loads(f.read_text())
-    recs = [r for r in collect(sub) if r["kind"] == "run"]
+    sm = report(sub, data=data)
     src = sorted({str(r.get("hp_from")) for r in recs})
     parts.append(
         f"#### Supplementary `{sub.name}`\n\nConfiguration: `{json.dumps(sm['config'])}`;"
@@ -681,9 +716,36 @@ def supplementary_text(out: pathlib.Path) -> str:
   return "\n".join(parts)
 
 
-def section_text(summary: dict, out: pathlib.Path, notes: str = "") -> str:
+def claims_text(summary: dict) -> str:
+  """Which comparisons are findings under the claims policy."""
+  seeds = summary.get("seeds", {})
+  head = (f"**Claims status** (generated; see the claims policy). The tables"
+          f" below are on the discovery seeds"
+          f" ({seeds.get('discovery', 'none')}), with p-values Holm-adjusted"
+          " across each table.")
+  conf = summary.get("confirmation", [])
+  if not conf:
+    return (head + " No confirmation runs (seeds"
+            f" {harness.format_seeds(harness.CONFIRMATION_SEEDS)}) are in this"
+            " folder, so none of these comparisons is a finding yet.")
+  found = findings(summary["comparisons"], conf)
+  lines = [head + f" Confirmation seeds run: {seeds.get('confirmation')};"
+           f" {len(found)} of {len(conf)} comparisons confirmed (Holm p < 0.05"
+           " on the confirmation seeds, same sign as on discovery):"]
+  lines += [f"- {r['treatment']} - {r['baseline']}, n = {r['size']}:"
+            f" {fmt(r['mean_diff'])} pp [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}],"
+            f" Holm p = {r['holm']:.2g}, wins {r['wins']}/{r['n']}" for r in found]
+  lines += ["", "Confirmation runs, all comparisons:", "", markdown_table(conf)]
+  return "\n".join(lines)
+
+
+def section_text(summary: dict, out: pathlib.Path, data: str, notes: str = "",
+                 md_dir: pathlib.Path = harness.RESULTS_MD.parent) -> str:
+  """The section: notes verbatim, then what the raw runs give (the
+  supplementary subfolders' reports regenerated too)."""
   cfg = summary["config"] or {}
-  rel = os.path.relpath(out, RESULTS_MD.parent)
+  rel = pathlib.Path(os.path.relpath(pathlib.Path(out).resolve(),
+                                     pathlib.Path(md_dir).resolve())).as_posix()
   hp = "\n".join(f"- `{a}`: {json.dumps(h)}" for a, h in
                  sorted(summary["chosen"].items()))
   grid = "\n".join(f"- `{a}`: " + ", ".join(f"{k} -> {100 * v:.2f}%"
@@ -698,9 +760,13 @@ def section_text(summary: dict, out: pathlib.Path, notes: str = "") -> str:
 {notes.strip()}
 
 Data: {", ".join(summary["data"])}. Model and training: `{json.dumps(cfg)}`.
+Library: stiefel_optax {", ".join(summary["library_version"])} (the version each
+run file records; runs made since issue 12 also record the code's hash).
 Machine: {"; ".join(summary["machine"])}. Finished runs: {summary["runs"]}
 ({summary["run_wall_s"] / 60:.1f} min of run time) plus {summary["tuning_runs"]}
 tuning runs ({summary["tuning_wall_s"] / 60:.1f} min).
+
+{claims_text(summary)}
 
 ### Ours beside the paper
 
@@ -726,34 +792,20 @@ max ||W^T W - I||_F:
 
 {frames}
 
-{supplementary_text(out)}
+{supplementary_text(out, data)}
 Plots: `{rel}/gain_vs_n.png` (gain against n with 95% intervals),
 `{rel}/curves.png` (test accuracy per epoch per arm at the largest n).
 Raw runs: `{rel}/runs/*.json`; summary: `{rel}/summary.json`.
 """
 
 
-def replace_section(text: str, heading: str, body: str) -> str:
-  """Replaces the '## ' section starting at `heading` (up to the next '## '
-  heading) by body, or appends body; other sections are left untouched."""
-  lines = text.splitlines(keepends=True)
-  start = next((i for i, l in enumerate(lines) if l.strip() == heading), None)
-  body = body.rstrip("\n") + "\n"
-  if start is None:
-    sep = "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
-    return text + sep + body
-  end = next((i for i in range(start + 1, len(lines))
-              if lines[i].startswith("## ")), len(lines))
-  tail = "".join(lines[end:])
-  return "".join(lines[:start]) + body + ("\n" + tail if tail else "")
-
-
-def write_section(path: pathlib.Path, summary: dict, out: pathlib.Path) -> None:
-  path = pathlib.Path(path)
-  notes_file = pathlib.Path(out) / "notes.md"
-  notes = notes_file.read_text() if notes_file.is_file() else ""
-  text = path.read_text() if path.is_file() else "# Benchmark results\n\n"
-  path.write_text(replace_section(text, SECTION, section_text(summary, out, notes)))
+def write_section(path: pathlib.Path, summary: dict, out: pathlib.Path,
+                  data: str) -> None:
+  """The CIFAR section of the RESULTS.md at `path`: <out>/notes.md verbatim,
+  then everything generated from the raw runs."""
+  notes = harness.read_notes(pathlib.Path(out) / "notes.md")
+  harness.write_section(path, SECTION, section_text(
+      summary, out, data, notes, pathlib.Path(path).parent))
 
 
 # --------------------------------------------------------------------------
@@ -766,19 +818,26 @@ def quick_config() -> Config:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true",
-                 help="synthetic images, tiny model, two arms (< 1 minute)")
-  p.add_argument("--data-dir", default=None,
-                 help=f"folder with {cifar_data.FOLDER}/ (default ${cifar_data.ENV_VAR},"
-                      " else the shipped subset)")
+  p = argparse.ArgumentParser(prog="python -m benchmarks.cifar_patches",
+                              description=__doc__.split("\n\n")[0])
+  harness.add_common_args(
+      p, default_out_dir="runs/cifar (runs/cifar_quick with --quick)",
+      seeds_default=harness.format_seeds(harness.DISCOVERY_SEEDS),
+      quick_help="synthetic images, tiny model, two arms (< 1 minute)",
+      seeds_help="seeds of the adamw and stiefel arms")
+  p.add_argument("--other-seeds", type=harness.seeds_type, default=None,
+                 help="seeds of the other arms (default"
+                      f" {harness.format_seeds(harness.DISCOVERY_SEEDS[:6])})")
+  p.add_argument("--data", "--data-dir", dest="data", default=None,
+                 help="any CIFAR-10 source: the subset's .npz, the"
+                      f" {cifar_data.FOLDER}/ folder or a folder holding it"
+                      f" (default ${cifar_data.ENV_VAR}, else"
+                      f" ../shared/data/{cifar_data.SUBSET_NAME})")
   p.add_argument("--download", action="store_true",
-                 help="download the official tarball into --data-dir if missing")
-  p.add_argument("--out", type=pathlib.Path, default=None)
+                 help="download the official tarball into the --data folder"
+                      " if missing")
   p.add_argument("--sizes", type=int, nargs="*", default=None,
                  help="training-set sizes n (default 1000 4000 all)")
-  p.add_argument("--main-seeds", type=int, default=12)
-  p.add_argument("--other-seeds", type=int, default=6)
   p.add_argument("--arms", nargs="*", default=None, help=f"subset of {list(ARMS)}")
   p.add_argument("--epochs", type=int, default=None)
   p.add_argument("--dim", type=int, default=None, help="model width d")
@@ -787,9 +846,6 @@ def parse_args(argv=None):
   p.add_argument("--hp-from", type=pathlib.Path, default=None,
                  help="reuse the hyperparameters chosen in this results folder"
                       " (its summary.json) instead of tuning those arms")
-  p.add_argument("--report-only", action="store_true")
-  p.add_argument("--results-md", type=pathlib.Path, default=None,
-                 help="also rewrite the CIFAR section of this RESULTS.md")
   return p.parse_args(argv)
 
 
@@ -800,17 +856,18 @@ def main(argv=None) -> dict:
     data = cifar_data.synthetic(448, cfg.val_size)
     sizes = args.sizes or [len(data.x_train) - cfg.val_size]
     arms = args.arms or ["adamw", "stiefel"]
-    main_seeds, other_seeds = min(args.main_seeds, 2), min(args.other_seeds, 2)
-    out = args.out or pathlib.Path("/tmp/cifar_patches_quick")
+    seeds, other_seeds = args.seeds or (0, 1), args.other_seeds or (0, 1)
+    out = args.out or harness.default_out("cifar_quick")
     registry = {k: v._replace(grid=v.grid[:1] if v.grid else v.grid)
                 for k, v in ARMS.items()}
   else:
     cfg = Config()
-    data = cifar_data.load_cifar10(args.data_dir, download_missing=args.download)
+    data = cifar_data.load_cifar10(args.data, download_missing=args.download)
     sizes = args.sizes or [1000, 4000, len(data.x_train)]
     arms = args.arms or list(ARMS)
-    main_seeds, other_seeds = args.main_seeds, args.other_seeds
-    out = args.out or DEFAULT_OUT
+    seeds = args.seeds or harness.DISCOVERY_SEEDS
+    other_seeds = args.other_seeds or harness.DISCOVERY_SEEDS[:6]
+    out = args.out or harness.default_out("cifar")
     registry = ARMS
   if args.epochs:
     cfg = dataclasses.replace(cfg, epochs=args.epochs)
@@ -822,24 +879,26 @@ def main(argv=None) -> dict:
   if args.hp_from:
     inherit = json.loads((args.hp_from / "summary.json").read_text())["chosen"]
   bench = Bench(data, cfg, out, registry, inherit,
-                str(args.hp_from) if args.hp_from else None)
+                harness.portable(args.hp_from) if args.hp_from else None)
   if not args.report_only:
-    tasks = plan(bench, sizes, main_seeds, other_seeds, arms)
+    tasks = plan(bench, sizes, seeds, other_seeds, arms)
     todo = [t for t in tasks if bench.load(t) is None]
-    print(f"data {data.source}; {len(tasks)} tasks, {len(todo)} to run;"
-          f" fingerprint {bench.fp}; out {out}", flush=True)
+    print(f"data {data.source} ({data.location or 'in memory'}); {len(tasks)}"
+          f" tasks, {len(todo)} to run; identity {bench.fp}; out {out}",
+          flush=True)
     from tqdm import tqdm
     t0 = time.time()
     for task in tqdm(todo, desc="cifar", mininterval=5):
       rec = bench.execute(task)
       acc = rec.get("test_acc", rec.get("val_acc"))
       tqdm.write(f"{task.name}: acc {100 * acc:.2f}% in {rec['wall_s']:.1f}s")
-      if task.kind == "run":
-        report(out, bench.fp)
+      if task.kind == "run":   # the tables so far (plots at the end)
+        report(out, data.source, cfg.to_dict(), plots=False)
     print(f"sweep wall time {time.time() - t0:.0f}s", flush=True)
-  summary = report(out, bench.fp)
+  summary = report(out, data.source, cfg.to_dict())
   if args.results_md:
-    write_section(args.results_md, summary, out)
+    write_section(args.results_md, summary, out, data.source)
+  print(f"results: {out}")
   return summary
 
 

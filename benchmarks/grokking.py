@@ -2,6 +2,9 @@
 
     python -m benchmarks.grokking            # reduced default, a few minutes
     python -m benchmarks.grokking --full     # the longer study, resumable
+    python -m benchmarks.grokking --quick    # a smoke run, under a minute
+    python -m benchmarks.grokking --report-only --results-md benchmarks/RESULTS.md
+                                             # the committed tables and section
 
 Task: (a op b) mod p (p = 97) from the tokens [a, b, =], a seeded share of all
 equations for training, the rest for validation, full-batch training.
@@ -18,7 +21,14 @@ Every `log_every` steps each run records train/validation accuracy and loss,
 the isometry error ||W^T W - I||_F of every Q/K frame (the AdamW arm's raw
 kernels, per head), the Frobenius norm of every other weight, and the mean
 per-step movement ||W_{t+1} - W_t||_F of each Q/K frame over the chunk.
-Runs are saved per (arm, seed) with a checkpoint, so a stopped study resumes.
+Runs are saved per (arm, seed) with a checkpoint, so a stopped study resumes;
+a saved run is reused only under the same identity (configuration, the
+equations' md5, library version: `benchmarks.harness`). Output goes to
+runs/grokking/<default|full|quick>/ (ignored by git) unless `--out` names a
+folder, e.g. one of the committed reference folders under
+benchmarks/results/grokking/. Each folder holds study.json (what was asked),
+runs/, an optional notes.md (included verbatim) and the generated
+results.json, table.md and plots.
 """
 
 from __future__ import annotations
@@ -26,12 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
-import json
 import math
-import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -43,16 +48,19 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import modular, stats, transformer
+from benchmarks import harness, modular, stats, transformer
 
 ARMS = ("adamw", "stiefel")
 PROBE_ARM = "rsgd"
-RESULTS_DIR = Path(__file__).parent / "results" / "grokking"
+REFERENCE_DIR = harness.REFERENCE_ROOT / "grokking"
+SECTION = "## Grokking"
+SECTION_TEMPLATE = REFERENCE_DIR / "section.md"
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Everything that determines a run (hashed into its file name)."""
+  """Everything that determines a run (with the data's md5 and the library
+  version, its identity)."""
   p: int = modular.DEFAULT_PRIME
   op: str = "+"
   train_fraction: float = 0.5
@@ -70,10 +78,6 @@ class Config:
   log_every: int = 50
   target_acc: float = 0.95
 
-  def key(self) -> str:
-    blob = json.dumps(dataclasses.asdict(self), sort_keys=True)
-    return hashlib.sha1(blob.encode()).hexdigest()[:10]
-
 
 @dataclasses.dataclass(frozen=True)
 class Study:
@@ -87,9 +91,17 @@ class Study:
   arms: tuple = ARMS
 
 
+  @classmethod
+  def from_dict(cls, d: dict) -> "Study":
+    return cls(**{k: tuple(v) if isinstance(v, list) else v
+                  for k, v in d.items()})
+
+
 DEFAULT_STUDY = Study(steps=1000, seeds=(0, 1, 2, 3, 4), probe_steps=200)
 FULL_STUDY = Study(steps=3000, seeds=(0, 1, 2, 3, 4), long_steps=20000,
                    probe_steps=500)
+QUICK_STUDY = Study(steps=100, seeds=(0, 1), probe_steps=50)
+QUICK_CONFIG = dict(p=23, d_model=16, num_heads=2, d_mlp=64, log_every=25)
 
 
 # --------------------------------------------------------------------------
@@ -101,6 +113,16 @@ def make_model(cfg: Config) -> transformer.Transformer:
       vocab_size=modular.vocab_size(cfg.p), seq_len=3, num_classes=cfg.p,
       d_model=cfg.d_model, num_heads=cfg.num_heads, d_mlp=cfg.d_mlp,
       num_layers=cfg.num_layers)
+
+
+@functools.lru_cache(maxsize=None)
+def data_id(p: int, op: str) -> str:
+  """The task's content id: md5 of every equation and its label."""
+  return f"modular:md5={harness.md5_arrays(*modular.all_equations(p, op))}"
+
+
+def run_identity(cfg: Config) -> str:
+  return harness.identity(dataclasses.asdict(cfg), data_id(cfg.p, cfg.op))
 
 
 def make_data(cfg: Config, seed: int) -> modular.Split:
@@ -137,11 +159,12 @@ def make_optimizer(cfg: Config, arm: str) -> optax.GradientTransformation:
 # Training: jit over a chunk of `log_every` steps (lax.scan).
 
 
-def other_norms(params, labels) -> dict:
+def other_norms(params) -> dict:
   """{path: ||x||_F} for every weight that is not a Q/K kernel."""
+  frames = so.selected(params)
   return {so.path_str(p): jnp.linalg.norm(x.ravel())
-          for (p, x), l in zip(jax.tree_util.tree_leaves_with_path(params),
-                               jax.tree.leaves(labels)) if l == so.EUCLIDEAN}
+          for p, x in jax.tree_util.tree_leaves_with_path(params)
+          if so.path_str(p) not in frames}
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,11 +174,10 @@ def chunk_fn(cfg: Config, arm: str):
 
   def step(carry, data):
     params, opt_state = carry
-    labels = so.qk_labels(params)
     grads = jax.grad(lambda p: transformer.loss_fn(model, p, *data))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     new = optax.apply_updates(params, updates)
-    return (new, opt_state), so.frame_movement(params, new, labels)
+    return (new, opt_state), so.frame_movement(params, new)
 
   def chunk(carry, train_x, train_y):
     carry, moves = jax.lax.scan(lambda c, _: step(c, (train_x, train_y)),
@@ -171,14 +193,13 @@ def measure_fn(cfg: Config):
   model = make_model(cfg)
 
   def measure(params, data):
-    labels = so.qk_labels(params)
     tl, ta = transformer.loss_and_accuracy(model, params, data.train_x,
                                            data.train_y)
     vl, va = transformer.loss_and_accuracy(model, params, data.val_x,
                                            data.val_y)
     return dict(train_loss=tl, train_acc=ta, val_loss=vl, val_acc=va,
-                iso=so.frame_isometry_errors(params, labels),
-                norms=other_norms(params, labels))
+                iso=so.frame_isometry_errors(params),
+                norms=other_norms(params))
 
   return jax.jit(measure)
 
@@ -202,16 +223,16 @@ def record(hist: dict, step: int, m: dict, move: Optional[dict]) -> None:
 # One run, saved and resumable.
 
 
-def run_path(out: Path, cfg: Config, arm: str, seed: int) -> Path:
-  return out / "runs" / f"{arm}_seed{seed}_{cfg.key()}.json"
+def run_name(arm: str, seed: int) -> str:
+  return f"{arm}_seed{seed}"
 
 
 def save_checkpoint(path: Path, carry) -> None:
   leaves = [np.asarray(x) for x in jax.tree.leaves(carry)]
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(".tmp.npz")
+  tmp = harness.temp_path(path)
   np.savez(tmp, *leaves)
-  os.replace(tmp, path)
+  tmp.replace(path)
 
 
 def load_checkpoint(path: Path, like):
@@ -220,36 +241,42 @@ def load_checkpoint(path: Path, like):
   return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
-def write_json(path: Path, obj) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text(json.dumps(obj))
-  os.replace(tmp, path)
-
-
 def train_run(cfg: Config, arm: str, seed: int, steps: int,
               out: Optional[Path] = None, progress=None,
-              save_every_s: float = 60.0) -> dict:
+              save_every_s: float = 60.0, command: str = "") -> dict:
   """Trains (arm, seed) to `steps` (a multiple of cfg.log_every), resuming
-  from `out`'s saved run if there is one; returns the run's record."""
+  from `out`'s saved run of the same identity if there is one (a finished
+  one is returned as it is); returns the run's record."""
   if steps % cfg.log_every:
     raise ValueError(f"steps = {steps} is not a multiple of log_every ="
                      f" {cfg.log_every}.")
-  path = run_path(out, cfg, arm, seed) if out is not None else None
-  ckpt = path.with_suffix(".npz") if path is not None else None
+  store = harness.RunStore(out) if out is not None else None
+  name, ident = run_name(arm, seed), run_identity(cfg)
+  saved = store.load(name, ident) if store is not None else None
+  if saved is not None and saved["history"]["step"][-1] >= steps:
+    if progress is not None:
+      progress.update(steps)
+    return saved
+  ckpt = store.path(name, ".npz") if store is not None else None
   data = make_data(cfg, seed)
   params = initial_params(cfg, arm, seed)
   carry = (params, make_optimizer(cfg, arm).init(params))
   run = dict(arm=arm, seed=seed, config=dataclasses.asdict(cfg),
+             identity=ident, data=data_id(cfg.p, cfg.op),
+             library_version=harness.library_version(),
+             machine=harness.machine(), trained_by=[],
              n_train=int(data.train_x.shape[0]), n_val=int(data.val_x.shape[0]),
-             wall_s=0.0, history=empty_history())
-  if path is not None and path.exists() and ckpt.exists():
-    run = json.loads(path.read_text())
+             wall_s=0.0, cpu_s=0.0, history=empty_history())
+  if saved is not None and ckpt.exists():
+    run = saved
     carry = load_checkpoint(ckpt, carry)
   hist = run["history"]
   if not hist["step"]:
     record(hist, 0, measure_fn(cfg)(carry[0], data), None)
   done = hist["step"][-1]
+  run.setdefault("trained_by", []).append(dict(
+      command=command, started_utc=harness.now_utc(), from_step=done,
+      loadavg_start=harness.load_average(), code_hash=harness.code_hash()))
   if progress is not None:
     progress.update(min(done, steps))
   chunk, measure = chunk_fn(cfg, arm), measure_fn(cfg)
@@ -260,24 +287,31 @@ def train_run(cfg: Config, arm: str, seed: int, steps: int,
     record(hist, done, measure(carry[0], data), move)
     if progress is not None:
       progress.update(cfg.log_every)
-    if path is not None and (time.time() - last_save > save_every_s
-                             or done >= steps):
+    if store is not None and (time.time() - last_save > save_every_s
+                              or done >= steps):
       run["wall_s"] += time.time() - t0
       run["cpu_s"] = run.get("cpu_s", 0.0) + time.process_time() - c0
       t0 = last_save = time.time()
       c0 = time.process_time()
       save_checkpoint(ckpt, carry)
-      write_json(path, run)
-  if path is None:   # saved runs were timed at their last save
+      store.save(name, run)
+  if store is None:   # saved runs were timed at their last save
     run["wall_s"] += time.time() - t0
     run["cpu_s"] = run.get("cpu_s", 0.0) + time.process_time() - c0
   return run
 
 
-def load_run(cfg: Config, arm: str, seed: int, out: Path) -> Optional[dict]:
-  """The saved (possibly partial) run, or None."""
-  path = run_path(out, cfg, arm, seed)
-  return json.loads(path.read_text()) if path.exists() else None
+def load_run(cfg: Config, arm: str, seed: int, out: Path,
+             runs_from: Sequence[str] = ()) -> Optional[dict]:
+  """The saved (possibly partial) run of this configuration under any
+  library version (what a report shows), from out or else from the folders
+  `runs_from` (relative to out), or None."""
+  for folder in [out] + [out / r for r in runs_from]:
+    run = harness.RunStore(folder).load_matching(
+        run_name(arm, seed), dataclasses.asdict(cfg), data_id(cfg.p, cfg.op))
+    if run is not None:
+      return run
+  return None
 
 
 def truncate(run: dict, steps: int) -> dict:
@@ -370,6 +404,11 @@ def compare_arms(summaries: dict, steps: int) -> dict:
   out["min_val_acc_after"] = stats.unpaired_comparison(
       [r["min_val_acc_after"] for r in s if r["min_val_acc_after"] is not None],
       [r["min_val_acc_after"] for r in a if r["min_val_acc_after"] is not None])
+  # Holm across the table's three comparisons (paired t, paired t, Welch).
+  tests = ("steps_to_target", "final_val_acc", "min_val_acc_after")
+  for k, h in zip(tests, stats.holm([out[k].get("p", float("nan"))
+                                     for k in tests])):
+    out[k]["holm"] = h
   return out
 
 
@@ -384,18 +423,19 @@ def winner(comp: dict) -> str:
     faster = "neither arm"
   else:
     faster = "stiefel" if st["mean_diff"] < 0 else "adamw"
-  sig = ("significant at p < 0.05" if st["p"] < 0.05
-         else "not significant at 0.05")
+  sig = ("significant at 0.05 after Holm" if st["holm"] < 0.05
+         else "not significant at 0.05 after Holm")
   # paired_comparison(stiefel, adamw) counts stiefel > adamw as a win; for
   # steps fewer is better, so stiefel is first where it "loses".
   higher = ("stiefel" if fv["mean_diff"] > 0 else
             "adamw" if fv["mean_diff"] < 0 else "neither arm")
   return (f"Grokking speed: {faster} ahead on the mean ({sig}; mean"
           f" difference stiefel - adamw {st['mean_diff']:+.0f} steps, paired"
-          f" t p = {st['p']:.3g}); stiefel first in {st['losses']}, adamw"
-          f" first in {st['wins']}, tied in {st['ties']} of {n} seeds."
-          f" Final validation accuracy: {higher} higher on the mean"
-          f" ({fv['mean_diff']:+.4f}, paired t p = {fv['p']:.3g}); stiefel"
+          f" t p = {st['p']:.3g}, Holm p = {st['holm']:.3g}); stiefel first in"
+          f" {st['losses']}, adamw first in {st['wins']}, tied in {st['ties']}"
+          f" of {n} seeds. Final validation accuracy: {higher} higher on the"
+          f" mean ({fv['mean_diff']:+.4f}, paired t p = {fv['p']:.3g}, Holm p ="
+          f" {fv['holm']:.3g}); stiefel"
           f" higher in {fv['wins']}, adamw higher in {fv['losses']}, tied in"
           f" {fv['ties']} of {fv['n']} seeds.")
 
@@ -462,25 +502,28 @@ def study_table(summaries: dict, comp: dict, target: float) -> str:
   ceil = comp["ceiling"]
   rows = [
       "| metric (mean ± sd over seeds) | adamw | stiefel | stiefel − adamw |"
-      " test | seeds stiefel better / adamw better |",
+      " test (Holm: adjusted across the table's three tests) |"
+      " seeds stiefel better / adamw better |",
       "|---|---|---|---|---|---|",
       f"| steps to {pct}% val acc (never reached: counted as {ceil}) |"
       f" {_fmt(censored([r['steps_to_target'] for r in a], ceil), '{:.0f}')}"
       f" (never {comp['n_never_adamw']}) |"
       f" {_fmt(censored([r['steps_to_target'] for r in s], ceil), '{:.0f}')}"
       f" (never {comp['n_never_stiefel']}) | {st['mean_diff']:+.0f} |"
-      f" paired t p = {st['p']:.3g}, Wilcoxon p = {st['wilcoxon_p']:.3g} |"
+      f" paired t p = {st['p']:.3g} (Holm {st['holm']:.3g}), Wilcoxon p ="
+      f" {st['wilcoxon_p']:.3g} |"
       f" {st['losses']} / {st['wins']} |",
       f"| steps to {pct}% train acc (memorisation) |"
       f" {_fmt([r['steps_to_train_target'] for r in a], '{:.0f}')} |"
       f" {_fmt([r['steps_to_train_target'] for r in s], '{:.0f}')} | | | |",
       f"| final val acc | {_fmt([r['final_val_acc'] for r in a])} |"
       f" {_fmt([r['final_val_acc'] for r in s])} | {fv['mean_diff']:+.4f} |"
-      f" paired t p = {fv['p']:.3g} | {fv['wins']} / {fv['losses']} |",
+      f" paired t p = {fv['p']:.3g} (Holm {fv['holm']:.3g}) |"
+      f" {fv['wins']} / {fv['losses']} |",
       f"| min val acc after reaching {pct}% |"
       f" {_fmt([r['min_val_acc_after'] for r in a])} |"
       f" {_fmt([r['min_val_acc_after'] for r in s])} | |"
-      f" Welch p = {mn.get('p', float('nan')):.3g} | |",
+      f" Welch p = {mn.get('p', float('nan')):.3g} (Holm {mn['holm']:.3g}) | |",
       f"| final train acc | {_fmt([r['final_train_acc'] for r in a])} |"
       f" {_fmt([r['final_train_acc'] for r in s])} | | | |",
       f"| mean Q/K isometry error (per frame) |"
@@ -551,9 +594,7 @@ def long_table(long_runs: dict, target: float, iso: Optional[dict]) -> str:
 def plot_runs(runs: dict, path: Path, title: str) -> None:
   """Validation accuracy, Q/K isometry error and non-Q/K weight norm
   against step, every seed of both arms."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = harness.pyplot()
   colors = {"adamw": "tab:red", "stiefel": "tab:blue"}
   fig, axes = plt.subplots(1, 4, figsize=(20, 4))
   for arm, by_seed in runs.items():
@@ -576,10 +617,7 @@ def plot_runs(runs: dict, path: Path, title: str) -> None:
     ax.set_ylabel(ylabel)
     ax.legend()
   fig.suptitle(title)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  harness.save_figure(fig, path, dpi=110)
 
 
 # --------------------------------------------------------------------------
@@ -598,21 +636,12 @@ def schedule(study: Study) -> list:
   return jobs
 
 
-def machine() -> dict:
-  return dict(nproc=os.cpu_count(),
-              usable_cpus=len(os.sched_getaffinity(0))
-              if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-              platform=platform.platform(), processor=platform.processor(),
-              python=platform.python_version(), jax=jax.__version__,
-              backend=jax.default_backend(),
-              loadavg_start=list(os.getloadavg()))
-
-
-def saved_study(cfg: Config, study: Study, out: Path) -> dict:
+def saved_study(cfg: Config, study: Study, out: Path,
+                runs_from: Sequence[str] = ()) -> dict:
   """Every saved run of the study as it is (partial runs included)."""
   runs = {arm: {} for arm in study.arms + (PROBE_ARM,)}
   for arm, seed, _ in schedule(study):
-    run = load_run(cfg, arm, seed, out)
+    run = load_run(cfg, arm, seed, out, runs_from)
     if run is not None:
       runs[arm][seed] = run
   return runs
@@ -620,7 +649,8 @@ def saved_study(cfg: Config, study: Study, out: Path) -> dict:
 
 def remaining(cfg: Config, job: tuple, out: Optional[Path]) -> int:
   arm, seed, steps = job
-  run = load_run(cfg, arm, seed, out) if out is not None else None
+  run = (harness.RunStore(out).load(run_name(arm, seed), run_identity(cfg))
+         if out is not None else None)
   return max(0, steps - (run["history"]["step"][-1] if run else 0))
 
 
@@ -644,7 +674,7 @@ def part_of(cfg: Config, jobs: list, out: Optional[Path], part: int,
 
 def run_study(cfg: Config, study: Study, out: Optional[Path],
               show_progress: bool = False, part: int = 0,
-              parts: int = 1) -> dict:
+              parts: int = 1, command: str = "") -> dict:
   """Runs (or resumes) every job (or one part of them); returns the runs
   keyed arm -> seed."""
   jobs = schedule(study)
@@ -659,7 +689,8 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
   for arm, seed, steps in jobs:
     if bar is not None:
       bar.set_postfix_str(f"{arm} seed {seed} -> {steps}")
-    runs[arm][seed] = train_run(cfg, arm, seed, steps, out, bar)
+    runs[arm][seed] = train_run(cfg, arm, seed, steps, out, bar,
+                                command=command)
   if bar is not None:
     bar.close()
   return runs
@@ -711,8 +742,47 @@ def analyse(cfg: Config, study: Study, runs: dict) -> dict:
   return res
 
 
-def markdown(cfg: Config, study: Study, res: dict, runs: dict,
-             meta: dict) -> str:
+def provenance(runs: dict, out: Path) -> dict:
+  """Where the runs came from, from the run files alone: summed training
+  time, the machines and the commands that trained them (earliest start of
+  each), and the command that regenerates this report."""
+  recs = [r for by in runs.values() for r in by.values()]
+  first = {}
+  for e in sorted((e for r in recs for e in r.get("trained_by", [])
+                   if e.get("command")), key=lambda e: e["started_utc"]):
+    first.setdefault(e["command"], {k: e.get(k) for k in
+                                    ("command", "started_utc", "loadavg_start")})
+  return dict(
+      regenerate=("python -m benchmarks.grokking --report-only --out"
+                  f" {harness.portable(out)}"),
+      runs=len(recs),
+      run_wall_s=sum(r["wall_s"] for r in recs),
+      run_cpu_s=sum(r.get("cpu_s", 0.0) for r in recs),
+      run_wall_s_each={f"{a}_seed{s}": r["wall_s"]
+                       for a, by in runs.items() for s, r in by.items()},
+      machines=sorted({harness.machine_line(r["machine"]) for r in recs
+                       if r.get("machine")}),
+      library_versions=sorted({r["library_version"] for r in recs}),
+      trained_by=list(first.values()))
+
+
+def provenance_text(meta: dict) -> str:
+  text = (f"Training: {meta['runs']} run files, {meta['run_wall_s']:.0f} s wall"
+          f" and {meta['run_cpu_s']:.0f} s CPU (all threads) summed over the"
+          " runs' training (every invocation, resumed ones included);"
+          f" stiefel_optax {', '.join(meta['library_versions'])}; machine:"
+          f" {'; '.join(meta['machines']) or 'not recorded'}.")
+  if meta["trained_by"]:
+    text += " Trained by " + "; ".join(
+        f"`{e['command']}` (started {e['started_utc']}"
+        + (f", load average at start {e['loadavg_start']:.1f}"
+           if e.get("loadavg_start") is not None else "") + ")"
+        for e in meta["trained_by"]) + "."
+  return text + f"\n\nRegenerate: `{meta['regenerate']}`."
+
+
+def markdown(cfg: Config, study: Study, res: dict, meta: dict,
+             notes: str = "") -> str:
   parts = [
       f"Task (a {cfg.op} b) mod {cfg.p}, train fraction {cfg.train_fraction},"
       f" full batch; {cfg.num_layers}-layer transformer d = {cfg.d_model},"
@@ -731,37 +801,73 @@ def markdown(cfg: Config, study: Study, res: dict, runs: dict,
       mechanism_table(res["isometry_ratio"], res["movement"], cfg.log_every),
   ]
   if "long" in res:
-    longs = long_runs(study, runs)
-    parts += ["", long_table(longs, cfg.target_acc,
-                             res["long"]["isometry_ratio"])]
-  if meta.get("note"):
-    parts += ["", meta["note"]]
-  if "trained_by" in meta:
-    t = meta["trained_by"]
-    parts += ["", f"Trained by `{t['command']}` (started {t['started']},"
-              f" wall {t['wall_s']:.0f} s, CPU {t.get('cpu_s', float('nan')):.0f} s,"
-              f" load average at start {t['machine']['loadavg_start'][0]:.1f});"
-              " this report regenerated from the saved runs by:"]
-  command = meta["command"]
-  if meta.get("note"):
-    command = command.replace(shlex.quote(meta["note"]), "'<the note above>'")
-  parts += ["", f"Command: `{command}`; machine: {meta['machine']['nproc']}"
-            f" CPUs ({meta['machine']['platform']}, {meta['machine']['backend']});"
-            f" wall time {meta['wall_s']:.0f} s this invocation,"
-            f" {meta['run_wall_s']:.0f} s wall and {meta['run_cpu_s']:.0f} s"
-            f" CPU (all threads) summed over the runs' training (including"
-            f" earlier resumed invocations); load average at start"
-            f" {meta['machine']['loadavg_start'][0]:.1f}."]
+    parts += ["", res["long"]["table"]]
+  if notes:
+    parts += ["", notes]
+  parts += ["", provenance_text(meta)]
   return "\n".join(parts)
+
+
+def report(out: Path, cfg: Config, study: Study, runs_from: Sequence[str] = (),
+           plots: bool = True) -> dict:
+  """results.json, table.md and the plots of `out`, from its saved runs
+  (cut to what they reached), its study and its notes.md alone."""
+  runs = saved_study(cfg, study, out, runs_from)
+  study = reached_study(study, runs)
+  res = analyse(cfg, study, runs)
+  if "long" in res:
+    res["long"]["table"] = long_table(long_runs(study, runs), cfg.target_acc,
+                                      res["long"]["isometry_ratio"])
+  meta = provenance(runs, out)
+  table = markdown(cfg, study, res, meta, harness.read_notes(out / "notes.md"))
+  harness.write_json(out / "results.json", dict(
+      meta=meta, config=dataclasses.asdict(cfg),
+      study=dataclasses.asdict(study), **res))
+  harness.write_text(out / "table.md", table + "\n")
+  if plots:
+    main_runs = {a: {s: truncate(runs[a][s], study.steps) for s in study.seeds}
+                 for a in study.arms}
+    plot_runs(main_runs, out / "study.png",
+              f"(a {cfg.op} b) mod {cfg.p}: {len(study.seeds)} seeds per arm")
+    if "long" in res:
+      plot_runs({a: {study.long_seed: r}
+                 for a, r in long_runs(study, runs).items()},
+                out / "long_run.png",
+                f"long run, seed {study.long_seed}")
+  return dict(meta=meta, results=res, table=table, study=study)
+
+
+def load_spec(out: Path):
+  """(cfg, study, runs_from) from <out>/study.json, or None."""
+  spec = harness.read_json(out / "study.json")
+  if spec is None:
+    return None
+  return (Config(**spec["config"]), Study.from_dict(spec["study"]),
+          tuple(spec.get("runs_from", ())))
+
+
+def section_text(template: Path = SECTION_TEMPLATE, plots: bool = True) -> str:
+  """The Grokking section of RESULTS.md: the template verbatim, each
+  `<!-- report: FOLDER [long] -->` line replaced by that study's report
+  (regenerated from its raw runs; `long`: its long-run table only)."""
+  def study(folder: str, part: str = "all") -> str:
+    out = template.parent / folder
+    rep = report(out, *load_spec(out), plots=plots)
+    return rep["table"] if part == "all" else rep["results"]["long"]["table"]
+  return harness.expand(template.read_text(), {"report": study})
 
 
 def parse_args(argv):
   p = argparse.ArgumentParser(
       prog="python -m benchmarks.grokking", description=__doc__.split("\n")[0])
+  harness.add_common_args(
+      p, default_out_dir="runs/grokking/<default|full|quick>",
+      seeds_default="0-4",
+      quick_help="a smoke run (under a minute): p = 23, d = 16, 2 seeds x"
+                 " 100 steps")
   p.add_argument("--full", action="store_true",
                  help="the longer study (5 seeds per arm + one long run)")
   p.add_argument("--steps", type=int, help="steps per seed")
-  p.add_argument("--seeds", type=int, help="number of seeds per arm")
   p.add_argument("--long-steps", type=int, help="long run's steps (0: none)")
   p.add_argument("--long-seed", type=int, help="the seed of the long run")
   p.add_argument("--probe-steps", type=int, help="rsgd probe steps (0: none)")
@@ -774,33 +880,36 @@ def parse_args(argv):
   p.add_argument("--d-mlp", type=int)
   p.add_argument("--num-layers", type=int)
   p.add_argument("--learning-rate", type=float)
-  p.add_argument("--out", type=Path, help="results folder")
   p.add_argument("--no-plots", action="store_true")
   p.add_argument("--part", default="0/1",
                  help="K/N: run only part K of N parallel processes (then"
                       " report with --report-only)")
   p.add_argument("--note", default="",
-                 help="free text stored with the results and printed (e.g."
-                      " how the runs were trained)")
-  p.add_argument("--report-only", action="store_true",
-                 help="no training: report the saved (possibly partial) runs")
+                 help="free text written to <out>/notes.md, which every"
+                      " report of that folder includes verbatim")
   p.add_argument("--no-progress", action="store_true")
   return p.parse_args(argv)
 
 
 def configure(args) -> tuple:
-  cfg = Config()
+  """(cfg, study, out, runs_from); --report-only on a folder with a
+  study.json reports the study saved there."""
+  preset = "quick" if args.quick else "full" if args.full else "default"
+  out = args.out or harness.default_out("grokking", preset)
+  if args.report_only and (spec := load_spec(out)) is not None:
+    return (*spec[:2], out, spec[2])
+  cfg = Config(**(QUICK_CONFIG if args.quick else {}))
   overrides = {k: getattr(args, k) for k in
                ("p", "log_every", "train_fraction", "op", "d_model",
                 "num_heads", "d_mlp", "num_layers", "learning_rate") if getattr(args, k) is not None}
   if args.d_model and not args.d_mlp:
     overrides["d_mlp"] = 4 * args.d_model
   cfg = dataclasses.replace(cfg, **overrides)
-  study = FULL_STUDY if args.full else DEFAULT_STUDY
+  study = dict(quick=QUICK_STUDY, full=FULL_STUDY).get(preset, DEFAULT_STUDY)
   study = dataclasses.replace(
       study,
       steps=args.steps if args.steps is not None else study.steps,
-      seeds=tuple(range(args.seeds)) if args.seeds else study.seeds,
+      seeds=args.seeds or study.seeds,
       long_steps=args.long_steps if args.long_steps is not None
       else study.long_steps,
       long_seed=args.long_seed if args.long_seed is not None
@@ -812,61 +921,36 @@ def configure(args) -> tuple:
     if n % cfg.log_every:
       raise SystemExit(f"--{name.replace('_', '-')} = {n} must be a multiple"
                        f" of log_every = {cfg.log_every}.")
-  out = args.out or RESULTS_DIR / ("full" if args.full else "default")
-  return cfg, study, out
+  return cfg, study, out, ()
 
 
 def main(argv=None) -> dict:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
-  cfg, study, out = configure(args)
   t0 = time.time()
-  meta = dict(command=shlex.join(["python", "-m", "benchmarks.grokking"]
-                                 + argv),
-              machine=machine(),
-              started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-  c0 = time.process_time()
-  meta.update(report_only=args.report_only, note=args.note)
-  if args.report_only and (out / "results.json").exists():
-    old = json.loads((out / "results.json").read_text())["meta"]
-    if "trained_by" in old or not old.get("report_only", False):
-      meta["trained_by"] = old.get("trained_by", old)
-  if args.report_only:
-    runs = saved_study(cfg, study, out)
-    study = reached_study(study, runs)
-  else:
+  if args.report_only and args.results_md and args.out is None:
+    harness.write_section(args.results_md, SECTION,
+                          section_text(plots=not args.no_plots))
+    print(f"{args.results_md}: {SECTION} regenerated from"
+          f" {harness.portable(SECTION_TEMPLATE)} and the runs it names")
+    return {}
+  cfg, study, out, runs_from = configure(args)
+  if args.note:
+    harness.write_text(out / "notes.md", args.note.strip() + "\n")
+  if not args.report_only:
+    harness.write_json(out / "study.json", dict(
+        config=dataclasses.asdict(cfg), study=dataclasses.asdict(study)),
+                       indent=1)
     part, parts = (int(x) for x in args.part.split("/"))
-    runs = run_study(cfg, study, out, not args.no_progress, part, parts)
-    if parts > 1:
-      runs = saved_study(cfg, study, out)
-      study = reached_study(study, runs)
-  res = analyse(cfg, study, runs)
-  meta.update(wall_s=time.time() - t0, cpu_s=time.process_time() - c0,
-              loadavg_end=list(os.getloadavg()),
-              run_cpu_s=sum(r.get("cpu_s", 0.0) for by in runs.values()
-                            for r in by.values()),
-              run_wall_s=sum(r["wall_s"] for by in runs.values()
-                             for r in by.values()),
-              run_wall_s_each={f"{a}_seed{s}": r["wall_s"]
-                               for a, by in runs.items() for s, r in by.items()})
-  table = markdown(cfg, study, res, runs, meta)
-  write_json(out / "results.json", dict(
-      meta=meta, config=dataclasses.asdict(cfg),
-      study=dataclasses.asdict(study), **res))
-  (out / "table.md").write_text(table + "\n")
-  if not args.no_plots:
-    main_runs = {a: {s: truncate(runs[a][s], study.steps) for s in study.seeds}
-                 for a in study.arms}
-    plot_runs(main_runs, out / "study.png",
-              f"(a {cfg.op} b) mod {cfg.p}: {len(study.seeds)} seeds per arm")
-    if "long" in res:
-      plot_runs({a: {study.long_seed: r}
-                 for a, r in long_runs(study, runs).items()},
-                out / "long_run.png",
-                f"long run, seed {study.long_seed}")
-  print(table)
-  print(f"\nresults: {out}")
-  return dict(meta=meta, results=res, table=table)
+    run_study(cfg, study, out, not args.no_progress, part, parts,
+              harness.command_line("benchmarks.grokking", argv))
+  rep = report(out, cfg, study, runs_from, plots=not args.no_plots)
+  if args.results_md:
+    harness.write_section(args.results_md, SECTION,
+                          section_text(plots=not args.no_plots))
+  print(rep["table"])
+  print(f"\nresults: {out} ({time.time() - t0:.0f} s this invocation)")
+  return rep
 
 
 if __name__ == "__main__":

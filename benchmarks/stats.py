@@ -1,4 +1,5 @@
-"""Paired-seed statistics shared by the experiments (scipy.stats)."""
+"""Paired-seed statistics shared by the experiments (scipy.stats), and the
+Holm step-down correction across the comparisons of one table."""
 
 from __future__ import annotations
 
@@ -54,3 +55,20 @@ def unpaired_comparison(a: Sequence[float], b: Sequence[float]) -> dict:
     out.update(t=float(t.statistic), p=float(t.pvalue),
                mannwhitney_p=float(stats.mannwhitneyu(a, b).pvalue))
   return out
+
+
+def holm(pvalues: Sequence[float]) -> list:
+  """Holm-Bonferroni step-down adjusted p-values, in the input order.
+
+  With the m finite p-values sorted, p_(1) <= ... <= p_(m), the k-th
+  (0-based) is adjusted to max over j <= k of min(1, (m - j) p_(j)). NaN
+  (no test) stays NaN and does not count in the family.
+  """
+  p = np.asarray(pvalues, dtype=np.float64)
+  out = np.full(p.shape, np.nan)
+  finite = np.flatnonzero(np.isfinite(p))
+  running = 0.0
+  for k, i in enumerate(finite[np.argsort(p[finite], kind="stable")]):
+    running = max(running, min(1.0, (finite.size - k) * p[i]))
+    out[i] = running
+  return out.tolist()

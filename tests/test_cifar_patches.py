@@ -1,8 +1,10 @@
 """CIFAR-10 patch benchmark: loader, model, paired streams, arm recipes and
-the --quick end-to-end run (synthetic images through the same code path)."""
+the --quick end-to-end run (synthetic images through the same code path);
+the shared harness (seeds, identity, atomic writes, run store) and the Holm
+correction."""
 
 import json
-import os
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ import optax
 import pytest
 
 import stiefel_optax as so
-from benchmarks import cifar_data, cifar_patches as cp
+from benchmarks import cifar_data, cifar_patches as cp, harness, stats
 from benchmarks.patch_vit import PatchViT, PatchViTConfig, patchify
 
 
@@ -35,9 +37,28 @@ def test_python_batches_roundtrip(tmp_path):
   np.testing.assert_array_equal(got.x_train, ds.x_train)
   np.testing.assert_array_equal(got.y_test, ds.y_test)
   assert got.x_train.dtype == np.uint8 and got.x_train.shape[1:] == (32, 32, 3)
-  assert got.source == f"full:{folder}"
+  # the source names the content, never the folder
+  assert got.source.startswith("full:md5=") and str(tmp_path) not in got.source
+  assert got.location == str(folder)
   # the folder itself is accepted too, and so is the environment variable
-  assert cifar_data.load_batches(folder, verify_md5=False).x_train.shape == ds.x_train.shape
+  again = cifar_data.load_cifar10(folder, verify_md5=False)
+  assert again.x_train.shape == ds.x_train.shape and again.source == got.source
+
+
+def test_any_npz_path_is_a_source_named_by_content(tmp_path):
+  ds = cifar_data.synthetic(40, 10, seed=5)
+  for name in ("a/one.npz", "b/two.npz"):
+    (tmp_path / name).parent.mkdir()
+    np.savez(tmp_path / name, x_train=ds.x_train, y_train=ds.y_train,
+             x_test=ds.x_test, y_test=ds.y_test)
+  one = cifar_data.load_cifar10(tmp_path / "a/one.npz", verify_md5=False)
+  two = cifar_data.load_cifar10(str(tmp_path / "b/two.npz"), verify_md5=False)
+  np.testing.assert_array_equal(one.x_test, ds.x_test)
+  assert one.source == two.source and one.source.startswith("subset:md5=")
+  assert cp.fingerprint(cp.Config(), one.source) == cp.fingerprint(
+      cp.Config(), two.source)
+  with pytest.raises(ValueError, match="md5"):
+    cifar_data.load_cifar10(tmp_path / "a/one.npz")
 
 
 def test_env_var_selects_folder(tmp_path, monkeypatch):
@@ -68,7 +89,8 @@ def test_subset_fallback_records_its_source(tmp_path, monkeypatch):
   if not path.is_file():
     pytest.skip(f"{path} not present")
   ds = cifar_data.load_cifar10()
-  assert ds.source == f"subset:{path}"
+  assert ds.source == f"subset:md5={cifar_data.SUBSET_MD5}"
+  assert cifar_data.load_cifar10(path).source == ds.source   # --data PATH
   assert ds.x_train.shape == (8068, 32, 32, 3) and ds.x_test.shape == (1017, 32, 32, 3)
 
 
@@ -84,9 +106,7 @@ def test_patchify_and_model_shapes():
   model = PatchViT(cfg)
   params = model.init(jax.random.PRNGKey(0), x)["params"]
   assert model.apply({"params": params}, x).shape == (2, 10)
-  labels = so.qk_labels(params)
-  qk = [l for l in jax.tree.leaves(labels) if l == so.STIEFEL]
-  assert len(qk) == 2
+  assert len(so.selected(params)) == 2
   assert params["block_0"]["attn"]["query"]["kernel"].shape == (16, 2, 8)
 
 
@@ -110,14 +130,15 @@ def test_paired_init_shares_non_qk_parameters():
   model = PatchViT(PatchViTConfig(dim=16, heads=2))
   a = cp.init_params(model, cp.ARMS["adamw"], 7)
   b = cp.init_params(model, cp.ARMS["stiefel"], 7)
-  labels = so.qk_labels(a)
-  for x, y, l in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(labels)):
-    if l == so.EUCLIDEAN:
+  frames = so.selected(a)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    if so.path_str(path) not in frames:
       np.testing.assert_array_equal(x, y)
   assert float(so.max_isometry_error(b)) < 1e-5
   assert float(so.max_isometry_error(a)) > 1e-2
   whole = cp.init_params(model, cp.ARMS["whole_frame"], 7)
-  assert float(so.max_isometry_error(whole, per_head=False)) < 1e-5
+  assert float(so.max_isometry_error(whole, cp.WHOLE_FRAME)) < 1e-5
+  assert float(so.max_isometry_error(b, cp.WHOLE_FRAME)) > 1e-2   # per head only
 
 
 @pytest.mark.parametrize("name", [a for a in cp.ARMS if a != "adamw"])
@@ -165,10 +186,83 @@ def test_paired_statistics_and_sections(tmp_path):
   assert row["n"] == 4 and row["wins"] == 4 and row["seeds"] == [0, 1, 2, 3]
   assert 3.0 < row["mean_diff"] < 3.5 and row["ci_low"] < row["mean_diff"] < row["ci_high"]
   text = "# R\n\n## Grokking\n\nkeep me\n\n## CIFAR-10 patch benchmark\n\nold\n\n## Other\n\nkeep too\n"
-  new = cp.replace_section(text, cp.SECTION, "## CIFAR-10 patch benchmark\n\nnew")
+  new = harness.replace_section(text, cp.SECTION, "## CIFAR-10 patch benchmark\n\nnew")
   assert "old" not in new and "new" in new
   assert "keep me" in new and "keep too" in new
-  assert cp.replace_section("# R\n", cp.SECTION, cp.SECTION + "\n\nx").endswith("x\n")
+  assert harness.replace_section("# R\n", cp.SECTION, cp.SECTION + "\n\nx").endswith("x\n")
+  policy = harness.POLICY_HEADING + "\n\nrules\n"
+  first = harness.with_policy(text, policy)
+  assert first.startswith("# R\n\n" + policy + "\n## Grokking")
+  assert harness.with_policy(first, policy) == first
+
+
+def test_holm_step_down():
+  np.testing.assert_allclose(stats.holm([0.01, 0.04, 0.03, 0.005]),
+                             [0.03, 0.06, 0.06, 0.02])
+  adj = stats.holm([0.02, float("nan"), 0.04, 0.9])   # NaN: not in the family
+  np.testing.assert_allclose([adj[0], adj[2], adj[3]], [0.06, 0.08, 0.9])
+  assert math.isnan(adj[1])
+  np.testing.assert_allclose(stats.holm([0.3, 0.2]), [0.4, 0.4])
+  assert stats.holm([0.7, 0.6]) == [1.0, 1.0] and stats.holm([]) == []
+  # Holm never rejects less than Bonferroni, nor more than uncorrected.
+  p = np.random.default_rng(0).uniform(0, 0.2, 9)
+  h = np.array(stats.holm(p))
+  assert np.all(h >= p) and np.all(h <= np.minimum(1, 9 * p))
+
+
+def _row(t, n, diff, p, seeds):
+  return dict(treatment=t, baseline="adamw", size=n, mean_diff=diff, p=p,
+              seeds=seeds)
+
+
+def test_findings_need_confirmation_on_fresh_seeds():
+  disc = cp.with_holm([_row("stiefel", 1000, 0.75, 0.002, [0]),
+                       _row("rsgd", 8068, 1.5, 0.004, [0])])
+  conf = cp.with_holm([_row("stiefel", 1000, 0.13, 0.6, [500]),
+                       _row("rsgd", 8068, 1.4, 0.01, [500])])
+  assert [r["treatment"] for r in cp.findings(disc, conf)] == ["rsgd"]
+  flipped = cp.with_holm([_row("rsgd", 8068, -1.4, 0.01, [500])])
+  assert cp.findings(disc, flipped) == []
+  assert harness.seed_block(11) == "discovery"
+  assert harness.seed_block(500) == "confirmation"
+
+
+def test_seeds_identity_and_run_store(tmp_path):
+  assert harness.parse_seeds("0-11") == tuple(range(12))
+  assert harness.parse_seeds("500,501,502") == (500, 501, 502)
+  assert harness.parse_seeds("0-3,7,2") == (0, 1, 2, 3, 7)
+  assert harness.parse_seeds("5") == (5,)
+  for bad in ("", "3-1", "a", "1,,2"):
+    with pytest.raises(ValueError, match="seeds"):
+      harness.parse_seeds(bad)
+  assert harness.format_seeds([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+  assert harness.parse_seeds(harness.format_seeds(range(500, 512))) == tuple(
+      range(500, 512))
+  args = cp.parse_args(["--seeds", "500-511", "--other-seeds", "500,501"])
+  assert args.seeds == tuple(range(500, 512)) and args.other_seeds == (500, 501)
+  with pytest.raises(SystemExit):
+    cp.parse_args(["--seeds", "x"])
+  # identity: content only; the version enters, paths never do
+  cfg = {"a": 1}
+  assert harness.identity(cfg, "d:md5=1") == harness.identity(dict(cfg), "d:md5=1")
+  assert harness.identity(cfg, "d:md5=1") != harness.identity(cfg, "d:md5=2")
+  assert harness.identity(cfg, "d", "0.1.0") != harness.identity(cfg, "d", "9")
+  assert set(harness.machine()) == {"cpus", "usable_cpus", "arch", "platform",
+                                    "python", "jax", "jaxlib", "backend"}
+  # atomic writes leave no temporary behind; the store checks identity
+  store = harness.RunStore(tmp_path / "x")
+  rec = {"identity": harness.identity(cfg, "d", "0.1.0"), "config": cfg,
+         "data": "d", "library_version": "0.1.0"}
+  store.save("r", rec)
+  assert [p.name for p in store.dir.iterdir()] == ["r.json"]
+  assert store.load("r", rec["identity"]) == rec and store.load("r", "no") is None
+  assert store.load_matching("r", cfg, "d") == rec       # any version
+  assert store.load_matching("r", {"a": 2}, "d") is None
+  assert harness.portable(harness.REPO / "benchmarks" / "x") == "benchmarks/x"
+  assert harness.portable(tmp_path / "y") == "y"
+  assert harness.command_line("benchmarks.x", [
+      "--out", str(tmp_path / "o"), f"--data={tmp_path}/d.npz", "--seeds",
+      "0-3"]) == "python -m benchmarks.x --out o --data=d.npz --seeds 0-3"
 
 
 # ---------------------------------------------------------------- end to end
@@ -178,13 +272,19 @@ def test_quick_end_to_end_and_resume(tmp_path):
   out = tmp_path / "cifar"
   md = tmp_path / "RESULTS.md"
   md.write_text("# Results\n\n## Grokking\n\nother helper's text\n")
-  summary = cp.main(["--quick", "--out", str(out), "--results-md", str(md)])
+  summary = cp.main(["--quick", "--seeds", "0,1", "--out", str(out),
+                     "--results-md", str(md)])
   runs = sorted((out / "runs").glob("*.json"))
   names = {p.stem for p in runs}
   assert {"adamw__n384__s0", "stiefel__n384__s1"} <= names
   rec = json.loads((out / "runs" / "stiefel__n384__s0.json").read_text())
-  assert rec["data"] == "synthetic:0" and rec["qk_isometry_error"] < 1e-4
+  assert rec["data"].startswith("synthetic:0:md5=") and rec["qk_isometry_error"] < 1e-4
   assert rec["hp"] and rec["base_lr"] > 0 and len(rec["test_curve"]) == 2
+  assert rec["identity"] == cp.fingerprint(cp.quick_config(), rec["data"])
+  assert rec["library_version"] == so.__version__
+  assert rec["code_hash"] == harness.code_hash()
+  assert set(rec["machine"]) == set(harness.machine())   # no hostname
+  assert str(tmp_path) not in json.dumps(rec)
   row = next(r for r in summary["comparisons"]
              if r["treatment"] == "stiefel" and r["baseline"] == "adamw")
   assert row["n"] == 2 and row["seeds"] == [0, 1]
@@ -192,6 +292,13 @@ def test_quick_end_to_end_and_resume(tmp_path):
     assert (out / f).stat().st_size > 0
   text = md.read_text()
   assert "other helper's text" in text and cp.SECTION in text and "+6.79" in text
+  assert "Holm p" in text and "none of these comparisons is a finding" in text
+  assert str(tmp_path) not in text
   mtimes = {p: p.stat().st_mtime_ns for p in runs}
   cp.main(["--quick", "--out", str(out)])         # resumes: nothing reruns
   assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
+  # the report regenerates the same bytes from the raw runs
+  before = {f: (out / f).read_bytes() for f in ("summary.json", "table.md")}
+  cp.main(["--quick", "--out", str(out), "--report-only", "--results-md", str(md)])
+  assert md.read_text() == text
+  assert all((out / f).read_bytes() == b for f, b in before.items())

@@ -1,19 +1,22 @@
 """The grokking benchmark: data, pairing of the arms, and a tiny end-to-end
-run of `python -m benchmarks.grokking` (same code path, small sizes)."""
+run of `python -m benchmarks.grokking` (same code path, small sizes): run
+identity, resumption, the report regenerated from the raw runs, and the
+RESULTS.md section built from a notes template."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
 import pytest
 
 import stiefel_optax as so
-from benchmarks import grokking, modular, transformer
+from benchmarks import grokking, harness, modular, transformer
 
 TINY_CFG = grokking.Config(p=11, d_model=16, num_heads=2, d_mlp=32,
                            log_every=10, train_fraction=0.5)
 TINY = ["--p", "11", "--d-model", "16", "--num-heads", "2", "--d-mlp", "32",
-        "--steps", "20", "--seeds", "2", "--long-steps", "30",
+        "--steps", "20", "--seeds", "0-1", "--long-steps", "30",
         "--probe-steps", "10", "--log-every", "10", "--train-fraction", "0.5",
         "--no-progress"]
 
@@ -47,11 +50,11 @@ def test_split_is_seeded_and_disjoint():
 def test_arms_share_every_non_qk_weight():
   pa = grokking.initial_params(TINY_CFG, "adamw", 3)
   ps = grokking.initial_params(TINY_CFG, "stiefel", 3)
-  labels = so.qk_labels(pa)
+  frames = so.selected(pa)
   n_qk = 0
-  for a, s, l in zip(jax.tree.leaves(pa), jax.tree.leaves(ps),
-                     jax.tree.leaves(labels)):
-    if l == so.EUCLIDEAN:
+  for (path, a), s in zip(jax.tree_util.tree_leaves_with_path(pa),
+                          jax.tree.leaves(ps)):
+    if so.path_str(path) not in frames:
       np.testing.assert_array_equal(a, s)
     else:
       n_qk += 1
@@ -102,14 +105,25 @@ def test_verdict_names_the_faster_arm(faster):
   assert f"{faster} first in 4," in verdict
 
 
-def test_tiny_study_end_to_end_and_resume(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+  """The TINY study trained once: (its folder, main()'s result)."""
+  out = tmp_path_factory.mktemp("tiny") / "grok"
+  return out, grokking.main(TINY + ["--out", str(out)])
+
+
+def test_tiny_study_end_to_end_and_resume(tiny_study, tmp_path):
   out = tmp_path / "grok"
-  res = grokking.main(TINY + ["--out", str(out)])
+  shutil.copytree(tiny_study[0], out)
+  res = tiny_study[1]
   assert grokking.configure(grokking.parse_args(TINY))[0] == TINY_CFG
   saved = json.loads((out / "results.json").read_text())
-  assert saved["meta"]["command"].startswith("python -m benchmarks.grokking")
-  assert saved["meta"]["machine"]["nproc"] >= 1
-  assert saved["meta"]["wall_s"] > 0
+  assert saved["meta"]["regenerate"] == (
+      "python -m benchmarks.grokking --report-only --out grok")
+  assert "CPUs" in saved["meta"]["machines"][0]
+  assert saved["meta"]["run_wall_s"] > 0
+  assert saved["meta"]["trained_by"][0]["command"] == (
+      harness.command_line("benchmarks.grokking", TINY + ["--out", "grok"]))
   assert (out / "study.png").stat().st_size > 0
   assert (out / "long_run.png").stat().st_size > 0
   assert "| steps to 95% val acc" in (out / "table.md").read_text()
@@ -129,18 +143,64 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   # Every (arm, seed) was saved with a checkpoint; a rerun resumes from them
   # without training again (the histories are identical).
   runs = sorted(p.name for p in (out / "runs").glob("*.json"))
-  assert len(runs) == 2 * 2 + 2
+  assert runs[0] == "adamw_seed0.json" and len(runs) == 2 * 2 + 2
+  rec = json.loads((out / "runs" / runs[0]).read_text())
+  assert rec["identity"] == grokking.run_identity(TINY_CFG)
+  assert rec["library_version"] == so.__version__
+  assert rec["trained_by"][0]["code_hash"] == harness.code_hash()
+  assert "/tmp" not in json.dumps(rec)        # no machine path
   before = (out / "runs" / runs[0]).read_text()
+  table = (out / "table.md").read_bytes()
   again = grokking.main(TINY + ["--out", str(out), "--no-plots"])
   assert (out / "runs" / runs[0]).read_text() == before
   def plain(x):
     return json.loads(json.dumps(x))
   assert plain(again["results"]["summaries"]) == plain(
       res["results"]["summaries"])
-  report = grokking.main(TINY + ["--out", str(out), "--no-plots",
-                                 "--report-only"])
+  # --report-only needs only the folder (its study.json) and regenerates the
+  # same bytes.
+  report = grokking.main(["--out", str(out), "--report-only", "--no-plots"])
   assert plain(report["results"]["summaries"]) == plain(
       res["results"]["summaries"])
+  assert (out / "table.md").read_bytes() == table
+  # A run made under another identity is not reused: it is trained again.
+  rec["identity"] = "other"
+  (out / "runs" / runs[0]).write_text(json.dumps(rec))
+  run = grokking.train_run(TINY_CFG, "adamw", 0, 20, out)
+  assert run["identity"] == grokking.run_identity(TINY_CFG)
+  assert len(run["trained_by"]) == 1
+
+
+def test_results_section_from_template(tiny_study, tmp_path):
+  out = tmp_path / "study_a"
+  shutil.copytree(tiny_study[0], out)
+  (out / "notes.md").write_text("How study_a was trained.\n")
+  template = tmp_path / "section.md"
+  template.write_text("## Grokking\n\nProse kept verbatim.\n\n"
+                      "<!-- report: study_a -->\n\nMore prose.\n\n"
+                      "<!-- report: study_a long -->\n")
+  body = grokking.section_text(template, plots=False)
+  table = (out / "table.md").read_text()
+  assert body.startswith("## Grokking\n\nProse kept verbatim.\n\n" + table)
+  assert "How study_a was trained." in table and "More prose." in body
+  long = json.loads((out / "results.json").read_text())["long"]["table"]
+  assert long.startswith("| long run") and body.rstrip("\n").endswith(long)
+  md = tmp_path / "RESULTS.md"
+  md.write_text("# Benchmark results\n\n## CIFAR-10 patch benchmark\n\nkept\n")
+  harness.write_section(md, grokking.SECTION, body)
+  text = md.read_text()
+  assert text.index(harness.POLICY_HEADING) < text.index("## CIFAR-10")
+  assert "kept" in text and text.endswith(body)
+
+
+def test_default_output_is_outside_the_tracked_tree():
+  cfg, study, out, _ = grokking.configure(grokking.parse_args([]))
+  assert out == harness.RUNS_ROOT / "grokking" / "default"
+  assert study == grokking.DEFAULT_STUDY and cfg == grokking.Config()
+  quick = grokking.configure(grokking.parse_args(["--quick", "--seeds", "3,5"]))
+  assert quick[1].seeds == (3, 5) and quick[2].name == "quick"
+  ignore = (harness.REPO / ".gitignore").read_text().split()
+  assert "runs/" in ignore
 
 
 def test_records_hold_every_quantity():

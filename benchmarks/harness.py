@@ -1,0 +1,386 @@
+"""What every benchmark shares: run identity, atomic writes, resumable run
+stores, seed lists, the machine record, output folders, the command-line
+conventions and the generated sections of RESULTS.md.
+
+Identity. A saved run is reused (not trained again) only if its `identity`
+equals `identity(config, data)` of the run about to be made: a hash of the
+configuration's content, the data's md5 (never its path) and the library's
+version string. No path or hostname enters it. The hash of the code that
+made a run (`code_hash()`: the stiefel_optax and benchmarks sources) is
+recorded beside it as provenance only, so committed runs keep matching
+while the library changes under one version string. A report takes the
+runs of the asked configuration and data whatever library version made
+them (`RunStore.load_matching`: the identity recomputed from the run's own
+version) and says which versions those were.
+
+Outputs. By default every experiment writes under runs/<experiment>/ at the
+repository root, which git ignores. The committed reference results under
+benchmarks/results/ are rewritten only when `--out` names them.
+
+Command line, the same in every experiment: `--quick` (a small smoke run),
+`--seeds` (a list or range: 0-11, 500,501,502, 0-3,7), `--out DIR`,
+`--report-only` (no training: tables, plots and summaries from the saved
+runs) and `--results-md PATH` (also rewrite the experiment's section of that
+RESULTS.md, from the raw runs and the notes files, never by hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import re
+import shlex
+import time
+from typing import Callable, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+RUNS_ROOT = REPO / "runs"
+REFERENCE_ROOT = REPO / "benchmarks" / "results"
+RESULTS_MD = REPO / "benchmarks" / "RESULTS.md"
+POLICY_FILE = REFERENCE_ROOT / "claims_policy.md"
+POLICY_HEADING = "## Claims policy"
+# Seeds fixed before looking (see the claims policy): a comparison found on
+# discovery seeds is a finding only once it holds on the confirmation seeds.
+DISCOVERY_SEEDS = tuple(range(12))
+CONFIRMATION_SEEDS = tuple(range(500, 512))
+
+
+# --------------------------------------------------------------------------
+# Identity and provenance.
+
+
+def digest(obj, length: int = 12) -> str:
+  """A short sha1 of the JSON of `obj` (keys sorted)."""
+  blob = json.dumps(obj, sort_keys=True)
+  return hashlib.sha1(blob.encode()).hexdigest()[:length]
+
+
+def md5_arrays(*arrays: np.ndarray) -> str:
+  """md5 of the arrays' dtypes, shapes and bytes (data made in memory)."""
+  h = hashlib.md5()
+  for a in arrays:
+    a = np.ascontiguousarray(a)
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def library_version() -> str:
+  import stiefel_optax  # pylint: disable=g-import-not-at-top
+  return stiefel_optax.__version__
+
+
+def identity(config: Mapping, data: str, version: Optional[str] = None) -> str:
+  """The run identity: configuration content, data id (its md5) and the
+  library version string. Never a path, a hostname or a code hash."""
+  return digest({"config": config, "data": data,
+                 "version": library_version() if version is None else version})
+
+
+def matches(rec: Mapping, config: Optional[Mapping] = None,
+            data: Optional[str] = None) -> bool:
+  """Whether a saved run's identity is that of `config` (default: its own)
+  and `data` under the library version it records."""
+  return rec.get("identity") == identity(
+      rec.get("config") if config is None else config,
+      rec.get("data") if data is None else data,
+      rec.get("library_version", ""))
+
+
+@functools.lru_cache(maxsize=None)
+def code_hash() -> str:
+  """sha256 (16 hex digits) of the stiefel_optax and benchmarks sources
+  that are running: provenance, recorded in each run, not identity."""
+  import stiefel_optax  # pylint: disable=g-import-not-at-top
+  h = hashlib.sha256()
+  for root in (pathlib.Path(stiefel_optax.__file__).parent,
+               pathlib.Path(__file__).parent):
+    for path in sorted(root.rglob("*.py")):
+      h.update(f"{root.name}/{path.relative_to(root).as_posix()}\0".encode())
+      h.update(path.read_bytes() + b"\0")
+  return h.hexdigest()[:16]
+
+
+def machine() -> dict:
+  """CPU count, architecture, platform, Python, jax/jaxlib and backend: no
+  hostname."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  usable = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count())
+  return {"cpus": os.cpu_count(), "usable_cpus": usable,
+          "arch": platform.machine(), "platform": platform.platform(),
+          "python": platform.python_version(), "jax": jax.__version__,
+          "jaxlib": jaxlib.__version__, "backend": jax.default_backend()}
+
+
+def machine_line(m: Mapping) -> str:
+  """One line for a machine record (whichever fields it has)."""
+  parts = [m.get("arch"), f"{m['cpus']} CPUs" if m.get("cpus") else None,
+           m.get("platform"),
+           f"python {m['python']}" if m.get("python") else None,
+           (f"jax {m['jax']}" + (f" (jaxlib {m['jaxlib']})" if m.get("jaxlib")
+                                 else "")) if m.get("jax") else None,
+           f"backend {m['backend']}" if m.get("backend") else None]
+  return ", ".join(p for p in parts if p)
+
+
+def load_average() -> Optional[float]:
+  try:
+    return float(os.getloadavg()[0])
+  except OSError:
+    return None
+
+
+def now_utc() -> str:
+  return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def portable(path: os.PathLike) -> str:
+  """`path` relative to the repository root (posix) if inside it, else its
+  last component: what a committed file may say about a location."""
+  p = pathlib.Path(path).resolve()
+  try:
+    return p.relative_to(REPO).as_posix()
+  except ValueError:
+    return p.name
+
+
+PATH_OPTIONS = ("--out", "--data", "--data-dir", "--hp-from", "--results-md")
+
+
+def command_line(module: str, argv: Sequence[str]) -> str:
+  """`python -m module argv...` as a record may keep it: the values of the
+  path options made `portable`."""
+  out, prev = ["python", "-m", module], None
+  for arg in argv:
+    opt, eq, val = arg.partition("=")
+    if prev in PATH_OPTIONS:
+      arg = portable(arg)
+    elif eq and opt in PATH_OPTIONS:
+      arg = f"{opt}={portable(val)}"
+    out.append(arg)
+    prev = arg
+  return shlex.join(out)
+
+
+# --------------------------------------------------------------------------
+# Atomic writes and resumable run stores.
+
+
+def temp_path(path: os.PathLike) -> pathlib.Path:
+  """A sibling temporary name that keeps the suffix (np.savez adds .npz)."""
+  path = pathlib.Path(path)
+  return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+
+
+def write_text(path: os.PathLike, text: str) -> None:
+  """Writes `text` to a temporary sibling, then renames it over `path`."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = temp_path(path)
+  tmp.write_text(text)
+  os.replace(tmp, path)
+
+
+def write_json(path: os.PathLike, obj, indent: Optional[int] = None) -> None:
+  write_text(path, json.dumps(obj, indent=indent))
+
+
+def read_json(path: os.PathLike):
+  path = pathlib.Path(path)
+  return json.loads(path.read_text()) if path.is_file() else None
+
+
+class RunStore:
+  """An experiment's saved runs, <folder>/runs/<name>.json, each written
+  atomically and reused only under the same identity."""
+
+  def __init__(self, folder: os.PathLike, indent: Optional[int] = None):
+    self.folder = pathlib.Path(folder)
+    self.dir = self.folder / "runs"
+    self.indent = indent
+
+  def path(self, name: str, suffix: str = ".json") -> pathlib.Path:
+    return self.dir / f"{name}{suffix}"
+
+  def load(self, name: str, ident: Optional[str] = None) -> Optional[dict]:
+    """The saved record, or None if absent or (given `ident`) made under
+    another identity (for resuming: `ident` of the current version)."""
+    rec = read_json(self.path(name))
+    if rec is None or (ident is not None and rec.get("identity") != ident):
+      return None
+    return rec
+
+  def load_matching(self, name: str, config: Mapping,
+                    data: str) -> Optional[dict]:
+    """The saved record if it was made with this configuration and data
+    under any library version (for reporting), else None."""
+    rec = read_json(self.path(name))
+    return rec if rec is not None and matches(rec, config, data) else None
+
+  def save(self, name: str, rec: dict) -> None:
+    write_json(self.path(name), rec, self.indent)
+
+  def records(self) -> list:
+    """Every saved record, in file-name order."""
+    return [json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))]
+
+
+# --------------------------------------------------------------------------
+# Seeds and the command line.
+
+
+def parse_seeds(spec) -> tuple:
+  """'0-11' -> (0, ..., 11); '500,501,502'; '0-3,7'; '5' -> (5,).
+  Order kept, repeats dropped."""
+  if isinstance(spec, int):
+    return (spec,)
+  if not isinstance(spec, str):
+    return tuple(dict.fromkeys(int(s) for s in spec))
+  seeds = []
+  for part in spec.replace(" ", "").split(","):
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+    if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
+      raise ValueError(f"seeds: {spec!r} is not a list or range of seeds"
+                       " (e.g. 0-11, 500,501,502 or 0-3,7).")
+    seeds += range(int(m[1]), int(m[2] or m[1]) + 1)
+  return tuple(dict.fromkeys(seeds))
+
+
+def format_seeds(seeds: Iterable[int]) -> str:
+  """(0, 1, 2, 5) -> '0-2,5' (what parse_seeds reads back)."""
+  seeds, out = sorted(set(seeds)), []
+  for s in seeds:
+    if out and s == out[-1][1] + 1:
+      out[-1][1] = s
+    else:
+      out.append([s, s])
+  return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def seeds_type(value: str) -> tuple:
+  try:
+    return parse_seeds(value)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def seed_block(seed: int) -> str:
+  """'confirmation' for seeds from the confirmation range on, else
+  'discovery'."""
+  return "confirmation" if seed >= CONFIRMATION_SEEDS[0] else "discovery"
+
+
+def default_out(*parts: str) -> pathlib.Path:
+  """runs/<parts...> at the repository root (git-ignored)."""
+  return RUNS_ROOT.joinpath(*parts)
+
+
+def add_common_args(p: argparse.ArgumentParser, *, default_out_dir: str,
+                    seeds_default: str, quick_help: str,
+                    seeds_help: str = "seeds") -> None:
+  """--quick, --seeds, --out, --report-only, --results-md."""
+  p.add_argument("--quick", action="store_true", help=quick_help)
+  p.add_argument("--seeds", type=seeds_type, default=None,
+                 help=f"{seeds_help}: a list or range, e.g. 0-11, 500-511 or"
+                      f" 500,501,502 (default {seeds_default})")
+  p.add_argument("--out", type=pathlib.Path, default=None,
+                 help=f"results folder (default {default_out_dir}, ignored by"
+                      " git; name a folder under benchmarks/results/ to"
+                      " rewrite the committed reference results)")
+  p.add_argument("--report-only", action="store_true",
+                 help="no training: report the saved runs")
+  p.add_argument("--results-md", type=pathlib.Path, default=None,
+                 help="also rewrite this experiment's section of this"
+                      " RESULTS.md (e.g. benchmarks/RESULTS.md) from the raw"
+                      " runs and the notes files")
+
+
+# --------------------------------------------------------------------------
+# Reports: plots, notes files, generated sections of RESULTS.md.
+
+
+def pyplot():
+  """matplotlib.pyplot on the Agg backend (no display)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def save_figure(fig, path: os.PathLike, dpi: int) -> None:
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=dpi)
+  pyplot().close(fig)
+
+
+def read_notes(path: os.PathLike) -> str:
+  """A notes file's text (stripped), '' if there is none."""
+  path = pathlib.Path(path)
+  return path.read_text().strip() if path.is_file() else ""
+
+
+def replace_section(text: str, heading: str, body: str) -> str:
+  """Replaces the '## ' section starting at `heading` (up to the next '## '
+  heading) by body, or appends body; other sections are left untouched."""
+  lines = text.splitlines(keepends=True)
+  start = next((i for i, l in enumerate(lines) if l.strip() == heading), None)
+  body = body.rstrip("\n") + "\n"
+  if start is None:
+    sep = "" if not text or text.endswith("\n\n") else (
+        "\n" if text.endswith("\n") else "\n\n")
+    return text + sep + body
+  end = next((i for i in range(start + 1, len(lines))
+              if lines[i].startswith("## ")), len(lines))
+  tail = "".join(lines[end:])
+  return "".join(lines[:start]) + body + ("\n" + tail if tail else "")
+
+
+def with_policy(text: str, policy: str) -> str:
+  """The claims-policy section (policy, starting with POLICY_HEADING)
+  replaced, or inserted right after the title."""
+  if any(l.strip() == POLICY_HEADING for l in text.splitlines()):
+    return replace_section(text, POLICY_HEADING, policy)
+  lines = text.splitlines(keepends=True)
+  title = next((i for i, l in enumerate(lines) if l.startswith("# ")), None)
+  if title is None:
+    return policy.rstrip("\n") + "\n\n" + text
+  rest = "".join(lines[title + 1:]).lstrip("\n")
+  return ("".join(lines[:title + 1]) + "\n" + policy.rstrip("\n") + "\n"
+          + ("\n" + rest if rest else ""))
+
+
+def write_section(md_path: os.PathLike, heading: str, body: str) -> None:
+  """Rewrites one experiment's section of a RESULTS.md (and the claims
+  policy at its top, from POLICY_FILE); other sections stay as they are."""
+  md_path = pathlib.Path(md_path)
+  text = md_path.read_text() if md_path.is_file() else "# Benchmark results\n"
+  text = replace_section(text, heading, body)
+  if POLICY_FILE.is_file():
+    text = with_policy(text, POLICY_FILE.read_text())
+  write_text(md_path, text)
+
+
+DIRECTIVE = re.compile(r"^<!-- ([a-z_]+): (.+?) -->$")
+
+
+def expand(template: str, handlers: Mapping[str, Callable[..., str]]) -> str:
+  """A notes template with its directive lines `<!-- name: arg ... -->`
+  replaced by handlers[name](*args): text written verbatim around tables
+  generated from the raw runs."""
+  out = []
+  for line in template.splitlines():
+    m = DIRECTIVE.match(line.strip())
+    out.append(handlers[m[1]](*m[2].split()).rstrip("\n") if m else line)
+  return "\n".join(out) + "\n"
+
