@@ -12,6 +12,9 @@ from stiefel_optax.transforms import (
     ScaleByFrameAdamState, clip_frame_norm, project_to_tangent,
     retract_polar, scale_by_frame_adam)
 from stiefel_optax.aliases import riemannian_sgd, stiefel_adam
+from stiefel_optax.muon import (
+    ScaleByTangentMsignState, msign, scale_by_tangent_msign, stiefel_muon,
+    tangent_msign)
 from stiefel_optax.specs import (
     PRESETS, FrameSpec, frame_specs, fused_qkv, path_str, selected)
 from stiefel_optax.views import from_frames, map_frames, merge, split, to_frames
