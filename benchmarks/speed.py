@@ -59,12 +59,15 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
+from benchmarks import harness
 from stiefel_optax import geometry
 
 QK = re.compile(so.specs.QK_KERNEL)
 ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
             "OMP_NUM_THREADS", "XLA_FLAGS")
-DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results")
+# Runs write under runs/ (git-ignored); `--out benchmarks/results` refreshes
+# the committed reference figures.
+DEFAULT_OUT = str(harness.default_out("speed"))
 
 
 # --------------------------------------------------------------------------
