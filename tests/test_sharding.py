@@ -1,17 +1,30 @@
-"""The Stiefel step sharded over attention heads on 8 simulated CPU devices.
+"""The Stiefel step sharded on 8 simulated CPU devices, both ways.
 
 XLA reads `--xla_force_host_platform_device_count` when jax initialises its
-CPU backend, so the sharded program runs in a child process that sets
+CPU backend, so the sharded programs run in a child process that sets
 XLA_FLAGS before importing jax; it prints one JSON line that the tests read.
+Each case runs 3 steps of `stiefel_attention` unsharded and sharded, and
+reads the collectives of the compiled sharded update (the executable that
+ran).
 
-With the query/key kernels (d, heads, head_dim) sharded over the heads axis,
-every frame lies whole on one device: the jitted `stiefel_attention` update
-must equal the unsharded one, and the compiled program of the Stiefel part
-must move no frame between devices (no all-gather, no all-to-all).
+* Heads-sharded: the query/key kernels (d, heads, head_dim) sharded over the
+  heads axis put every frame whole on one device; the update must equal the
+  unsharded one and move no array between devices (only the retraction's
+  whole-batch pred[] decisions are all-reduced).
+* FSDP: the kernels, and every other leaf with d rows, sharded over d
+  (axis 0, the model axis) cut every frame into row blocks. The step needs
+  only r x r Gram blocks (W^T G, W^T m, (W + xi)^T (W + xi), and Q^T Q in
+  the retraction's fallback branch) and per-frame norms, sums over rows, so
+  the compiled update must hold no all-gather, all-to-all, collective-permute
+  or reduce-scatter: only all-reduces of (r x r) blocks and per-frame
+  scalars, whose operands (shape and number) are pinned below. The same for
+  a nanoGPT-style fused c_attn leaf (d, 3d) selected by `fused_qkv(heads)`:
+  the q and k thirds are frames, the v third is AdamW's.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -22,106 +35,173 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r'''
-import json, re
+import functools, json, re
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import stiefel_optax as so
 
 assert jax.device_count() == 8, jax.devices()
-D, H, HD, MLP = 32, 8, 4, 48
 rng = np.random.default_rng(0)
+mesh = Mesh(np.array(jax.devices()), ("x",))
+REP = NamedSharding(mesh, P())
+QK = so.specs.QK_KERNEL
+# LLVM's optimisation of the CPU code is most of the compile time and none of
+# what is tested: the SPMD partitioner and the HLO passes that place the
+# collectives run as always.
+jit = functools.partial(
+    jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
-def frames():
-  q, r = np.linalg.qr(rng.standard_normal((H, D, HD)))
+
+def frames(d, h, hd):
+  """(d, heads, head_dim) kernel whose per-head (d, head_dim) frames are
+  orthonormal."""
+  q, r = np.linalg.qr(rng.standard_normal((h, d, hd)))
   q = q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
   return jnp.asarray(np.transpose(q, (1, 0, 2)), jnp.float32)
+
 
 def normal(*shape):
   return jnp.asarray(0.1 * rng.standard_normal(shape), jnp.float32)
 
-def layer():
-  return {"attn": {"query": {"kernel": frames(), "bias": jnp.zeros((H, HD))},
-                   "key": {"kernel": frames(), "bias": jnp.zeros((H, HD))},
-                   "value": {"kernel": normal(D, H, HD)},
-                   "out": {"kernel": normal(H, HD, D)}},
-          "mlp": {"kernel": normal(D, MLP), "bias": jnp.zeros(MLP)}}
 
-params = {"layer_0": layer(), "layer_1": layer(), "embed": normal(40, D)}
-grads = [jax.tree.map(lambda x: normal(*x.shape), params) for _ in range(3)]
-qk = lambda path: bool(re.search(so.DEFAULT_QK_PATTERNS[0], so.path_str(path)))
+def mha_params(d, h, hd, mlp=48):
+  def layer():
+    return {"attn": {"query": {"kernel": frames(d, h, hd),
+                               "bias": jnp.zeros((h, hd))},
+                     "key": {"kernel": frames(d, h, hd),
+                             "bias": jnp.zeros((h, hd))},
+                     "value": {"kernel": normal(d, h, hd)},
+                     "out": {"kernel": normal(h, hd, d)}},
+            "mlp": {"kernel": normal(d, mlp), "bias": jnp.zeros(mlp)}}
+  return {"layer_0": layer(), "layer_1": layer(), "embed": normal(40, d)}
 
-mesh = Mesh(np.array(jax.devices()), ("heads",))
-rep = NamedSharding(mesh, P())
-def spec(path, x):
-  """Q/K kernels (d, heads, head_dim) and their (heads, d, head_dim) frame
-  views over the heads axis; nu (heads,) too; everything else replicated."""
-  if x.shape == (D, H, HD) and qk(path):
-    return NamedSharding(mesh, P(None, "heads", None))
-  if x.shape == (H, D, HD):
-    return NamedSharding(mesh, P("heads", None, None))
-  if x.shape == (H,):
-    return NamedSharding(mesh, P("heads"))
-  return rep
-shard = lambda tree: jax.tree_util.tree_map_with_path(spec, tree)
 
-def stiefel_part_hlo():
-  """Compiled HLO of the Stiefel group alone (`stiefel_adam` on the frame
-  views, as `stiefel_attention` runs it) on the sharded Q/K kernels."""
-  pick = lambda tree: {so.path_str(p): x for p, x in
-                       jax.tree_util.tree_leaves_with_path(tree) if qk(p)}
-  qk_params, qk_grads = pick(params), pick(grads[0])
-  inner = so.frames_transform(so.stiefel_adam(1e-2))
-  state = inner.init(qk_params)
-  ps, ss = shard(qk_params), shard(state)
-  fn = jax.jit(inner.update, in_shardings=(ps, ss, ps), out_shardings=(ps, ss))
-  return fn.lower(*jax.device_put((qk_grads, state, qk_params), (ps, ss, ps))
-                  ).compile().as_text()
+def gpt_params(d, h):
+  """Two nanoGPT blocks; c_attn's q and k thirds orthonormal per head."""
+  hd = d // h
+  def c_attn():
+    q = np.asarray(frames(d, h, hd)).reshape(d, d)
+    k = np.asarray(frames(d, h, hd)).reshape(d, d)
+    v = np.asarray(normal(d, d))
+    return jnp.asarray(np.concatenate([q, k, v], 1))
+  def block():
+    return {"attn": {"c_attn": {"kernel": c_attn(), "bias": jnp.zeros(3 * d)},
+                     "c_proj": {"kernel": normal(d, d), "bias": jnp.zeros(d)}},
+            "ln_1": {"scale": jnp.ones(d)}}
+  return {"transformer": {"h_0": block(), "h_1": block(),
+                          "wte": {"embedding": normal(40, d)}}}
 
-tx = so.stiefel_attention(1e-2)
 
-# Unsharded reference: three steps on one device.
-ref_p, ref_s = params, tx.init(params)
-upd = jax.jit(tx.update)
-for g in grads:
-  u, ref_s = upd(g, ref_s, ref_p)
-  ref_p = optax.apply_updates(ref_p, u)
+def sharder(rules):
+  """tree -> shardings: the first (predicate, PartitionSpec) rule that
+  fits a leaf (path string, shape), else replicated."""
+  def one(path, x):
+    for fits, spec in rules:
+      if fits(so.path_str(path), tuple(x.shape)):
+        return NamedSharding(mesh, spec)
+    return REP
+  return lambda tree: jax.tree_util.tree_map_with_path(one, tree)
 
-# Sharded: the same three steps, inputs and outputs sharded over heads.
-p_sh = shard(params)
-state0 = tx.init(params)
-s_sh = shard(state0)
-step = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(
-    *tx.update(g, s, p)), in_shardings=(p_sh, s_sh, p_sh),
-    out_shardings=(p_sh, s_sh))
-p, s = jax.device_put(params, p_sh), jax.device_put(state0, s_sh)
-for g in grads:
-  p, s = step(jax.device_put(g, p_sh), s, p)
 
-diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-           zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)))
-qk_leaves = [x for path, x in jax.tree_util.tree_leaves_with_path(p) if qk(path)]
-full_hlo = step.lower(jax.device_put(grads[0], p_sh), s, p).compile().as_text()
-part_hlo = stiefel_part_hlo()
+def fsdp_sharder(d, view_shape, view_spec):
+  """Frame views (and Stiefel-Adam's first moment) of `view_shape` by
+  `view_spec`; every other leaf of rank >= 2 with d rows over axis 0 (FSDP)."""
+  def one(path, x):
+    s = tuple(x.shape)
+    if s == view_shape:
+      return NamedSharding(mesh, view_spec)
+    if len(s) >= 2 and s[0] == d:
+      return NamedSharding(mesh, P("x", *(None,) * (len(s) - 1)))
+    return REP
+  return lambda tree: jax.tree_util.tree_map_with_path(one, tree)
+
 
 def collectives(text):
-  return {op: len(re.findall(r"\b" + op + r"(-start)?\(", text))
-          for op in ("all-gather", "all-to-all", "all-reduce",
-                     "collective-permute", "reduce-scatter")}
+  """{op: [result shape of each instance]} in a compiled HLO module; an
+  async pair (op-start / op-done) counts once, a combined op as one tuple."""
+  out = {}
+  for op in ("all-gather", "all-to-all", "all-reduce", "collective-permute",
+             "reduce-scatter"):
+    shapes = []
+    for m in re.finditer(r"= (\([^=]*?\)|\S+) " + op + r"(-start)?\(", text):
+      shapes.append(re.sub(r"\{[^}]*\}", "", m.group(1)))
+    out[op] = sorted(shapes)
+  return out
 
-print("RESULT " + json.dumps({
-    "devices": jax.device_count(),
-    "max_abs_diff": diff,
-    "qk_shardings": sorted({tuple(x.sharding.spec) for x in qk_leaves}, key=str),
-    "qk_shards_per_leaf": sorted({len(x.addressable_shards) for x in qk_leaves}),
-    "qk_shard_shape": sorted({tuple(x.addressable_shards[0].data.shape)
-                              for x in qk_leaves}),
-    "part_collectives": collectives(part_hlo),
-    "full_collectives": collectives(full_hlo),
-    # the per-device frame view (1 head, d, head_dim) appears in the program
-    "part_is_partitioned": f"f32[1,{D},{HD}]" in part_hlo,
-    "max_isometry_error": float(max(jnp.max(so.isometry_error(
-        so.to_frames(x, so.FLAX_PER_HEAD))) for x in qk_leaves)),
-}))
+
+def run_case(params, frames_sel, shard, steps=3):
+  """`steps` of stiefel_attention, unsharded (one device) and sharded by
+  `shard` (inputs, outputs and state); the sharded program's compiled HLO is
+  that of the executable that ran."""
+  tx = so.stiefel_attention(1e-2, frames=frames_sel)
+  grads = [jax.tree.map(lambda x: normal(*x.shape), params)
+           for _ in range(steps)]
+
+  def step(g, s, p):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  ref_p, ref_s = params, tx.init(params)
+  ref_step = jit(step)
+  for g in grads:
+    ref_p, ref_s = ref_step(g, ref_s, ref_p)
+
+  state0 = tx.init(params)
+  p_sh, s_sh = shard(params), shard(state0)
+  p, s = jax.device_put(params, p_sh), jax.device_put(state0, s_sh)
+  compiled = jit(step, in_shardings=(p_sh, s_sh, p_sh),
+                     out_shardings=(p_sh, s_sh)).lower(
+                         jax.device_put(grads[0], p_sh), s, p).compile()
+  for g in grads:
+    p, s = compiled(jax.device_put(g, p_sh), s, p)
+  hlo = compiled.as_text()
+
+  sel = so.selected(params, frames_sel)
+  leaves = dict((so.path_str(q), x) for q, x in
+                jax.tree_util.tree_leaves_with_path(p))
+  return {
+      "max_abs_diff": max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                          zip(jax.tree.leaves(p), jax.tree.leaves(ref_p))),
+      "max_isometry_error": float(so.max_isometry_error(p, frames_sel)),
+      "selected": sorted(sel),
+      "frame_shardings": sorted({tuple(leaves[k].sharding.spec) for k in sel},
+                                key=str),
+      "frame_shard_shapes": sorted({str(tuple(
+          leaves[k].addressable_shards[0].data.shape)) for k in sel}),
+      "collectives": collectives(hlo),
+      "hlo_has": {t: t in hlo for t in ("f32[1,32,4]", "f32[4,8,32]",
+                                        "f32[2,4,8,16]")},
+  }
+
+
+result = {"devices": jax.device_count()}
+
+# Heads-sharded: (32, 8, 4) kernels over their 8 heads; their frame views
+# (8, 32, 4), the moments, and nu (8,) over the heads too.
+D, H, HD = 32, 8, 4
+is_qk = lambda path, shape: bool(re.search(QK, path))
+result["heads"] = run_case(mha_params(D, H, HD), "flax", sharder([
+    (lambda p, s: s == (D, H, HD) and is_qk(p, s), P(None, "x", None)),
+    (lambda p, s: s == (H, D, HD), P("x", None, None)),
+    (lambda p, s: s == (H,), P("x"))]))
+
+# FSDP: every leaf with d rows, the (64, 4, 32) Q/K kernels among them,
+# over d (axis 0), and their AdamW moments alike; the frame views
+# (4, 64, 32) and Stiefel-Adam's first moment over d too; nu (4,), biases,
+# embeddings and out (4, 32, 64) replicated.
+D, H, HD = 64, 4, 32
+result["fsdp"] = run_case(mha_params(D, H, HD), "flax",
+                          fsdp_sharder(D, (H, D, HD), P(None, "x", None)))
+
+# FSDP on a fused nanoGPT c_attn (64, 192) and the other (64, ...) leaves:
+# frames (2, 4, 64, 16) over d; the v third (64, 64) that AdamW trains, and
+# its moments, over d as well.
+D, H = 64, 4
+result["fused_fsdp"] = run_case(
+    gpt_params(D, H), {r"c_attn/kernel$": so.fused_qkv(H)},
+    fsdp_sharder(D, (2, H, D, D // H), P(None, None, "x", None)))
+
+print("RESULT " + json.dumps(result))
 '''
 
 
@@ -132,33 +212,95 @@ def sharded():
                       " --xla_force_host_platform_device_count=8").strip()
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
   return json.loads(line[-1][len("RESULT "):])
 
 
+NO_MOVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def operands(shapes):
+  """{operand shape: count} over all-reduce results; XLA's all-reduce
+  combiner groups operands into tuples in ways that vary with its version,
+  so the operands are what is pinned."""
+  counts = collections.Counter()
+  for shape in shapes:
+    counts.update(shape.strip("()").split(", "))
+  return dict(counts)
+
+
 def test_runs_on_eight_devices_sharded_over_heads(sharded):
+  heads = sharded["heads"]
   assert sharded["devices"] == 8
-  assert sharded["qk_shardings"] == [[None, "heads", None]]
-  assert sharded["qk_shards_per_leaf"] == [8]
-  assert sharded["qk_shard_shape"] == [[32, 1, 4]]
+  assert heads["selected"] == [f"layer_{i}/attn/{n}/kernel"
+                               for i in range(2) for n in ("key", "query")]
+  assert heads["frame_shardings"] == [[None, "x", None]]
+  assert heads["frame_shard_shapes"] == ["(32, 1, 4)"]
 
 
-def test_sharded_update_equals_unsharded(sharded):
-  assert sharded["max_abs_diff"] <= 1e-6
-  assert sharded["max_isometry_error"] <= 1e-5
+def test_heads_sharded_update_equals_unsharded(sharded):
+  assert sharded["heads"]["max_abs_diff"] <= 1e-6
+  assert sharded["heads"]["max_isometry_error"] <= 1e-5
 
 
-def test_stiefel_part_moves_no_frame_between_devices(sharded):
-  assert sharded["part_is_partitioned"]
-  assert sharded["part_collectives"]["all-gather"] == 0
-  assert sharded["part_collectives"]["all-to-all"] == 0
-  assert sharded["part_collectives"]["collective-permute"] == 0
+def test_heads_sharded_moves_no_frame_between_devices(sharded):
+  heads = sharded["heads"]
+  # the per-device frame view (1 head, d, head_dim) appears in the program
+  assert heads["hlo_has"]["f32[1,32,4]"]
+  for op in NO_MOVES:
+    assert heads["collectives"][op] == [], op
+  # No array data crosses devices: only the retraction's whole-batch
+  # decisions, one pred per frame leaf for "every frame certified" (the
+  # lax.cond of geometry._certified_polar) and one for the fallback loop's
+  # "any frame still active" (inside the cond's fallback branch).
+  assert operands(heads["collectives"]["all-reduce"]) == {"pred[]": 8}
 
 
-def test_whole_update_gathers_nothing(sharded):
-  # The rest of the tree is replicated here, so nothing needs gathering.
-  assert sharded["full_collectives"]["all-gather"] == 0
-  assert sharded["full_collectives"]["all-to-all"] == 0
+def test_fsdp_sharded_update_equals_unsharded(sharded):
+  fsdp = sharded["fsdp"]
+  assert fsdp["frame_shardings"] == [["x", None, None]]
+  assert fsdp["frame_shard_shapes"] == ["(8, 4, 32)"]
+  assert fsdp["hlo_has"]["f32[4,8,32]"]       # the local row blocks
+  assert fsdp["max_abs_diff"] <= 1e-6
+  assert fsdp["max_isometry_error"] <= 1e-5
+
+
+def test_fsdp_reduces_only_gram_blocks_and_scalars(sharded):
+  """Four (64, 4, 32) kernels, frames (4, 64, 32) cut into 8-row blocks.
+  Per kernel: the (r x r) = (32 x 32) blocks W^T G (projection), W^T m
+  (moment transport), (W + xi)^T (W + xi) (retraction) and Q^T Q in the
+  retraction's fallback branch (not run on the fast path), and the
+  per-frame scalars ||g||_F^2 (second moment), ||xi||_F (trust region) and
+  ||xi||_F again (Newton-Schulz bound, after the cap). Nothing moves a
+  frame or a row block."""
+  collect = sharded["fsdp"]["collectives"]
+  for op in NO_MOVES:
+    assert collect[op] == [], (op, collect[op])
+  assert operands(collect["all-reduce"]) == {"f32[4,32,32]": 16,
+                                             "f32[4]": 12}
+
+
+def test_fused_fsdp_update_equals_unsharded(sharded):
+  fused = sharded["fused_fsdp"]
+  assert fused["selected"] == [f"transformer/h_{i}/attn/c_attn/kernel"
+                               for i in range(2)]
+  assert fused["frame_shardings"] == [["x", None]]
+  assert fused["frame_shard_shapes"] == ["(8, 192)"]
+  assert fused["hlo_has"]["f32[2,4,8,16]"]    # the local row blocks
+  assert fused["max_abs_diff"] <= 1e-6
+  assert fused["max_isometry_error"] <= 1e-5
+
+
+def test_fused_fsdp_reduces_only_gram_blocks_and_scalars(sharded):
+  """Two (64, 192) c_attn kernels under fused_qkv(4): frames (2, 4, 64, 16)
+  (q and k thirds, 4 heads); the same four (16 x 16) blocks and three
+  per-frame scalars per kernel as above, and nothing for the v third, whose
+  AdamW is elementwise on its own row blocks."""
+  collect = sharded["fused_fsdp"]["collectives"]
+  for op in NO_MOVES:
+    assert collect[op] == [], (op, collect[op])
+  assert operands(collect["all-reduce"]) == {"f32[2,4,16,16]": 8,
+                                             "f32[2,4]": 6}
