@@ -1,12 +1,23 @@
 """Geometry of the Stiefel manifold St(d, r) = {W in R^(d x r) : W^T W = I_r}.
 
 Every function acts on arrays of shape (..., d, r): the last two axes are one
-frame, any leading axes are a batch of frames. All functions are pure jnp and
-jit/vmap friendly.
+frame, any leading axes are a batch of frames. All functions are pure jnp /
+jax.lax and jit friendly. Arrays that must agree (W and G, W and xi) must
+have equal shapes: nothing is broadcast, and a mismatch is a ValueError that
+names both shapes.
+
+The polar factor polar(A) = A (A^T A)^(-1/2) is computed matmul-only by a
+coupled Newton–Schulz iteration on the r x r matrix M = A^T A. Its fast path
+runs a fixed step count derived from a bound on the spectrum of M (for a
+retraction: from the step norm, assuming W^T W = I); a run-time certificate
+computed from the iterates checks the result, and a fallback that takes its
+scale from M itself, correct for any full-rank A, runs when the certificate
+fails (see `retract`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -14,6 +25,10 @@ import jax
 import jax.numpy as jnp
 
 RETRACTIONS = ("newton_schulz", "eigh")
+
+
+# --------------------------------------------------------------------------
+# Shape checks.
 
 
 def check_frame_shape(shape, name: str = "array") -> None:
@@ -32,24 +47,70 @@ def check_frame_shape(shape, name: str = "array") -> None:
     raise ValueError(f"{name}: shape {shape} has no columns.")
 
 
+def check_same_shape(fn: str, a_name: str, a_shape, b_name: str,
+                     b_shape) -> None:
+  """Raises ValueError naming both shapes unless they are equal.
+
+  Geometry never broadcasts two frames against each other: a (d, 1) array
+  passed as the gradient of a (d, 3) frame is an error, not a projection of
+  three copies.
+  """
+  a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+  if a_shape != b_shape:
+    raise ValueError(
+        f"{fn}: {a_name} has shape {a_shape} but {b_name} has shape"
+        f" {b_shape}; they must be equal (one (d, r) frame per batch entry,"
+        " same batch axes, no broadcasting).")
+
+
+def _check_matrices(fn: str, name: str, shape) -> None:
+  shape = tuple(shape)
+  if len(shape) < 2:
+    raise ValueError(
+        f"{fn}: {name} needs shape (..., rows, cols) with rank >= 2; got"
+        f" shape {shape}.")
+
+
 def compute_dtype(dtype) -> jnp.dtype:
   """The dtype the geometry runs in: at least float32 (bf16/f16 upcast)."""
   return jnp.promote_types(dtype, jnp.float32)
 
 
+# --------------------------------------------------------------------------
+# Elementary maps.
+
+
 def sym(a: jax.Array) -> jax.Array:
-  """sym(A) = (A + A^T) / 2 over the last two axes."""
+  """sym(A) = (A + A^T) / 2 over the last two axes (square matrices)."""
+  _check_matrices("sym", "a", a.shape)
+  if a.shape[-1] != a.shape[-2]:
+    raise ValueError(
+        f"sym: a needs square matrices over its last two axes; got shape"
+        f" {tuple(a.shape)}.")
   return 0.5 * (a + jnp.swapaxes(a, -1, -2))
 
 
 def gram(a: jax.Array, b: Optional[jax.Array] = None) -> jax.Array:
-  """A^T B per frame (A^T A when b is None)."""
-  b = a if b is None else b
+  """A^T B per frame (A^T A when b is None), shape (..., r, s).
+
+  A (..., d, r) and B (..., d, s) must agree in d and in the batch axes.
+  """
+  _check_matrices("gram", "a", a.shape)
+  if b is None:
+    b = a
+  else:
+    _check_matrices("gram", "b", b.shape)
+    if a.shape[:-1] != b.shape[:-1]:
+      raise ValueError(
+          f"gram: a has shape {tuple(a.shape)} but b has shape"
+          f" {tuple(b.shape)}; A^T B needs the same rows d and batch axes"
+          " (shape[:-1] equal).")
   return jnp.einsum("...dr,...ds->...rs", a, b)
 
 
 def frame_norm(x: jax.Array) -> jax.Array:
   """||x||_F per frame; shape x.shape[:-2]."""
+  _check_matrices("frame_norm", "x", x.shape)
   return jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1)))
 
 
@@ -57,15 +118,17 @@ def project_tangent(w: jax.Array, g: jax.Array) -> jax.Array:
   """P_W(G) = G - W sym(W^T G): the orthogonal projection onto T_W St.
 
   For W on the manifold the result xi satisfies W^T xi + xi^T W = 0 and
-  G - P_W(G) = W sym(W^T G) is normal (embedded metric).
+  G - P_W(G) = W sym(W^T G) is normal (embedded metric). W and G must have
+  the same shape.
   """
-  check_frame_shape(w.shape, "w")
+  check_frame_shape(w.shape, "project_tangent: w")
+  check_same_shape("project_tangent", "w", w.shape, "g", g.shape)
   return g - w @ sym(gram(w, g))
 
 
 def isometry_error(w: jax.Array) -> jax.Array:
   """||W^T W - I||_F per frame; shape w.shape[:-2]."""
-  check_frame_shape(w.shape, "w")
+  check_frame_shape(w.shape, "isometry_error: w")
   r = w.shape[-1]
   return frame_norm(gram(w) - jnp.eye(r, dtype=w.dtype))
 
@@ -77,7 +140,7 @@ def random_frames(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
   2007), which makes Q exactly Haar on St(d, r).
   """
   shape = tuple(shape)
-  check_frame_shape(shape, "shape")
+  check_frame_shape(shape, "random_frames: shape")
   gauss = jax.random.normal(key, shape, dtype=compute_dtype(dtype))
   q, r = jnp.linalg.qr(gauss)
   signs = jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))
@@ -93,12 +156,18 @@ def _inv_sqrt_eigh(m: jax.Array) -> jax.Array:
   return (v * inv_root[..., None, :]) @ jnp.swapaxes(v, -1, -2)
 
 
+# --------------------------------------------------------------------------
+# Newton–Schulz: spectral bounds and step counts (Python floats, static).
+
+
 def step_spectrum(step_norm, tangent: bool = True):
   """Bounds [lo, hi] on the spectrum of (W + xi)^T (W + xi), W orthonormal.
 
   Tangent xi: (W + xi)^T (W + xi) = I + xi^T xi, so [1, 1 + n^2] with
   n = ||xi||_F >= ||xi||_2. Any xi with n < 1: the singular values of W + xi
   lie in [1 - n, 1 + n] (Weyl), so [(1 - n)^2, (1 + n)^2].
+  These bounds assume W^T W = I; the retraction checks its result at run
+  time (`retract`), so a W that is not orthonormal is still handled.
   """
   if tangent:
     return 1.0 + 0.0 * step_norm, 1.0 + step_norm ** 2
@@ -157,78 +226,339 @@ def newton_schulz_steps(max_step_norm: float = 1.0, tol: float = 1e-8, *,
   return max(steps, 1)
 
 
-def _newton_schulz_step(y, z, eye):
-  """One coupled step: T = (3I - Z Y) / 2, Y <- Y T, Z <- T Z."""
-  t = 0.5 * (3.0 * eye - z @ y)
+def newton_schulz_accept_tol(dtype, r: int) -> float:
+  """Largest certified ||Q^T Q - I||_F the retraction accepts: 8 sqrt(r) eps.
+
+  Eight ulps per eigenvalue of Q^T Q, the level at which rounding in
+  forming Q = A Z in `dtype` (float32 for bf16/f16) already sets the
+  isometry error. The fixed counts aim lower (`newton_schulz_tol`, <= 5 ulp
+  per eigenvalue), so on the fast path the certificate passes with margin:
+  float32, r = 64: 7.6e-6; float64, r = 64: 1.4e-14.
+  """
+  eps = float(jnp.finfo(compute_dtype(dtype)).eps)
+  return 8.0 * math.sqrt(r) * eps
+
+
+def _step_bound_from_worst_eigenvalue(e: float, r: int) -> float:
+  """Upper bound on the certificate (`_residual_bounds`) when every
+  eigenvalue p of Z Y has |1 - p| <= e: rho = ||R||_F <= sqrt(r) e."""
+  rs = math.sqrt(r)
+  return rs * e * rs * e * (3.0 + rs * e) / 4.0
+
+
+def newton_schulz_fallback_steps(condition_number: float, r: int,
+                                 tol: float) -> int:
+  """Steps of the M-scaled iteration (`inv_sqrt_newton_schulz`) that
+  certify ||Z Y - I||_F <= tol for any SPD M with kappa(M) <= condition_number.
+
+  The iteration scales by c = min(||M||_F, 1 + ||M - I||_F), both >=
+  lambda_max, so every scaled eigenvalue lies in (0, 1], and
+  c <= ||M||_F <= sqrt(r) lambda_max gives p_min >= p_0 = 1 / (sqrt(r) kappa).
+  On (0, 1] the map p <- p (3 - p)^2 / 4 is increasing and p_min converges
+  last, so e_k = 1 - p_k from p_0 is the worst case:
+
+    phase 1, p <= 1/2: p grows by (3 - p)^2 / 4, from 9/4 (tiny p) down to
+      25/16; about log(1 / (2 p_0)) / log(9/4) steps,
+    phase 2, e = 1 - p <= 1/2: e <- e^2 (3 + e) / 4, quadratic
+      (1/2, 0.22, 0.039, 1.1e-3, 9.7e-7, 7.1e-13, 3.7e-25): <= 6 steps.
+
+  The loop stops after the step whose certificate (computed before it,
+  bounding the residual after it) is <= tol; that certificate is at most
+  r e_k^2 (3 + sqrt(r) e_k) / 4. With tol = `newton_schulz_accept_tol`:
+
+      kappa(M)      1     1e2   1e4   1e6   1e8   1e12  1/eps
+      float32 r=64  7     13    18    24    30    41    26
+      float64 r=64  8     14    19    25    31    42    52
+
+  (kappa(M) = kappa(W + xi)^2: a frame with singular values spread over
+  [0.1, 10] has kappa(M) = 1e4.) Each step costs three r x r products.
+  """
+  if not condition_number >= 1 or not math.isfinite(condition_number):
+    raise ValueError(
+        f"condition_number must be finite and >= 1; got {condition_number}.")
+  p = 1.0 / (math.sqrt(r) * condition_number)
+  steps = 0
+  while _step_bound_from_worst_eigenvalue(1.0 - p, r) > tol:
+    p = p * (3.0 - p) ** 2 / 4.0
+    steps += 1
+    if steps > 10_000:
+      raise ValueError(f"tol = {tol} cannot be certified for r = {r}.")
+  return steps + 1
+
+
+def _fast_path_steps(max_step_norm: float, tol: float, accept: float,
+                     r: int, tangent: bool) -> int:
+  """The fast path's fixed count: `newton_schulz_steps(delta, tol)`, plus a
+  step where the worst case of the certificate from the last-but-one
+  residual e_{K-1} (`_step_bound_from_worst_eigenvalue`) could exceed
+  `accept`, so that a step within the radius never falls back. Only long
+  float64 steps need it (delta = 2: 7 steps instead of 6); float32 counts
+  are unchanged for r <= 4096.
+  """
+  steps = newton_schulz_steps(max_step_norm, tol, tangent=tangent)
+  spread = max_step_norm ** 2
+  while _step_bound_from_worst_eigenvalue(
+      newton_schulz_residual(spread, steps - 1, tangent=tangent), r) > accept:
+    steps += 1
+  return steps
+
+
+def newton_schulz_max_steps(dtype, r: int) -> int:
+  """Bound on the steps of one pass of the M-scaled iteration: the count
+  (`newton_schulz_fallback_steps`) for kappa(M) = 1 / eps(dtype), the
+  largest condition number that M = A^T A can carry in the dtype. A frame
+  that is rank-deficient (or numerically so) never certifies; this bounds
+  its loop (float32, r = 64: 26 steps; float64: 52)."""
+  eps = float(jnp.finfo(compute_dtype(dtype)).eps)
+  return newton_schulz_fallback_steps(
+      1.0 / eps, r, newton_schulz_accept_tol(dtype, r))
+
+
+# --------------------------------------------------------------------------
+# Newton–Schulz: the iteration and its certificate (jnp).
+
+
+def _residual_bounds(res: jax.Array):
+  """(rho, certificate) for R = Z Y - I before one coupled step, rho =
+  ||R||_F.
+
+  With E = -R (symmetric, a polynomial in M), the step maps R to
+  R' = -R^2 (3I - R) / 4 (each eigenvalue 1 - p to (1 - p)^2 (3 + 1 - p) / 4),
+  so ||R'||_F <= ||R||_F ||R||_2 (3 + ||R||_2) / 4 <= rho^2 (3 + rho) / 4.
+  The certificate rho^2 (3 + rho) / 4 thus bounds the isometry error of the
+  frame after the step, ||Q^T Q - I||_F = ||Z' Y' - I||_F, in exact
+  arithmetic. It needs one reduction and no product beyond the Z Y that the
+  step itself forms, and rounding in R enters it squared, so a converged
+  frame is never rejected for rounding.
+  """
+  rho = jnp.sqrt(jnp.sum(jnp.square(res), axis=(-2, -1)))
+  return rho, rho * rho * (3.0 + rho) / 4.0
+
+
+def _lambda_max_bound(m: jax.Array) -> jax.Array:
+  """min(||M||_F, 1 + ||M - I||_F) >= lambda_max(M) for symmetric PSD M
+  (Weyl for the second), per frame; the second is the tight one for nearly
+  orthonormal frames, the first for frames of any scale."""
+  eye = jnp.eye(m.shape[-1], dtype=m.dtype)
+  return jnp.minimum(frame_norm(m), 1.0 + frame_norm(m - eye))
+
+
+def _newton_schulz_step(y, z, res, eye):
+  """One coupled step from R = Z Y - I: T = (3I - Z Y) / 2 = I - R / 2,
+  Y <- Y T, Z <- T Z. Z Y stays a polynomial in M/c, and
+  Q^T Q = Z (M/c) Z = Z Y for Q = A Z / sqrt(c)."""
+  t = eye - 0.5 * res
   return y @ t, t @ z
 
 
-def _inv_sqrt_newton_schulz(m: jax.Array, lo: jax.Array, hi: jax.Array,
-                            num_steps: int) -> jax.Array:
-  """M^(-1/2) for M with spectrum in [lo, hi] (per frame), matmuls only.
+def _newton_schulz_fixed(y: jax.Array, num_steps: int):
+  """`num_steps` >= 1 coupled steps from Y = M/c, Z = I.
 
-  Scales by c = (lo + hi) / 2 so that |1 - p| < 1 for every eigenvalue p of
-  M / c; converges whenever lo > 0.
+  Returns (Z, certificate): Z ~ (M/c)^(-1/2) and a per-frame bound on
+  ||Z Y - I||_F after the last step (`_residual_bounds`, from the last R).
+  The first step from Z = I needs one product (Z Y = Y, T Z = T), the others
+  three; the certificate adds no product (Y after the last step is not
+  needed), only the reduction rho.
   """
-  r = m.shape[-1]
-  c = (0.5 * (lo + hi))[..., None, None]
-  eye = jnp.eye(r, dtype=m.dtype)
-  y = m / c
-  if num_steps < 1:
-    return jnp.broadcast_to(eye, m.shape) * jax.lax.rsqrt(c)
-  # The first step from Z = I needs one product (Z Y = Y, T Z = T), the
-  # others three.
-  t = 0.5 * (3.0 * eye - y)
+  eye = jnp.eye(y.shape[-1], dtype=y.dtype)
+  res = y - eye
+  t = eye - 0.5 * res
   y, z = y @ t, t
   for _ in range(num_steps - 1):
-    y, z = _newton_schulz_step(y, z, eye)
-  return z * jax.lax.rsqrt(c)
+    res = z @ y - eye
+    y, z = _newton_schulz_step(y, z, res, eye)
+  _, bound = _residual_bounds(res)
+  return z, bound
 
 
-def _inv_sqrt_newton_schulz_adaptive(m: jax.Array, lo: jax.Array,
-                                     hi: jax.Array, tol: float = 1e-8,
-                                     max_steps: int = 100) -> jax.Array:
-  """`_inv_sqrt_newton_schulz` with as many steps as the batch needs.
+# The loops are jitted so that eager calls (outside any jit) compile each
+# once per shape instead of retracing it on every call; inside a jit they
+# are inlined.
+@functools.partial(jax.jit,
+                   static_argnames=("tol", "accept", "r", "max_steps"))
+def _newton_schulz_counted(y: jax.Array, p0, tol: float, accept: float,
+                           r: int, max_steps: int):
+  """Coupled steps from Y = M/c, Z = I, counted at run time (a
+  `lax.while_loop`): as many as the scalar worst case p <- p (3 - p)^2 / 4
+  from p0 needs to reach e = 1 - p <= tol with a certificate guaranteed to
+  pass (`_fast_path_steps`), at least one and at most max_steps.
 
-  For steps of unbounded length (no trust region), where no step count can
-  be fixed in advance. Alongside the iteration it runs the worst-case
-  scalar recursion of `newton_schulz_residual` on the smallest scaled
-  eigenvalue p = min 2 lo / (lo + hi), p <- p (3 - p)^2 / 4 (tracking p,
-  not e = 1 - p, keeps it exact for very long steps where p is tiny), and
-  stops once 1 - p <= tol (a `lax.while_loop`).
+  For steps of unbounded length (no trust region), where no count can be
+  fixed in advance; p0 = min 2 lo / (lo + hi) over the batch. The scalar
+  runs in the compute dtype, so it tracks p while p < 1/2 (exact for very
+  long steps, where p is tiny) and e = 1 - p after (e <- e^2 (3 + e) / 4;
+  in float32, p itself would stall at 1 - 2^-24 and never certify).
+  Returns (Z, certificate) as `_newton_schulz_fixed` does.
   """
-  r = m.shape[-1]
-  c = (0.5 * (lo + hi))[..., None, None]
-  eye = jnp.eye(r, dtype=m.dtype)
-  p = 2.0 * lo / (lo + hi)
-  # A non-finite step (one bad frame) must not stop the others' iteration.
-  p0 = jnp.min(jnp.where(jnp.isfinite(p), p, 1.0)).astype(m.dtype)
+  eye = jnp.eye(y.shape[-1], dtype=y.dtype)
 
   def cond(carry):
-    _, _, p, k = carry
-    return (1.0 - p > tol) & (k < max_steps)
+    *_, e, e_prev, k = carry
+    unsure = ((e > tol)
+              | (_step_bound_from_worst_eigenvalue(e_prev, r) > accept))
+    return (k < 1) | (unsure & (k < max_steps))
 
   def body(carry):
-    y, z, p, k = carry
-    y, z = _newton_schulz_step(y, z, eye)
-    return y, z, p * jnp.square(3.0 - p) / 4.0, k + 1
+    y, z, _, p, e, _, k = carry
+    res = z @ y - eye
+    _, bound = _residual_bounds(res)
+    y, z = _newton_schulz_step(y, z, res, eye)
+    small = p < 0.5
+    p_small = p * jnp.square(3.0 - p) / 4.0
+    e_big = e * e * (3.0 + e) / 4.0
+    p_new = jnp.where(small, p_small, 1.0 - e_big)
+    e_new = jnp.where(small, 1.0 - p_small, e_big)
+    return y, z, bound, p_new, e_new, e, k + 1
 
-  init = (m / c, jnp.broadcast_to(eye, m.shape), p0, jnp.zeros([], jnp.int32))
-  _, z, _, _ = jax.lax.while_loop(cond, body, init)
-  return z * jax.lax.rsqrt(c)
+  bound0 = jnp.full(y.shape[:-2], jnp.inf, y.dtype)
+  init = (y, jnp.broadcast_to(eye, y.shape), bound0, p0, 1.0 - p0, 1.0 - p0,
+          jnp.zeros([], jnp.int32))
+  _, z, bound, *_ = jax.lax.while_loop(cond, body, init)
+  return z, bound
 
 
-def _polar_factor(a: jax.Array, method: str, newton_schulz) -> jax.Array:
-  """A (A^T A)^(-1/2), the r x r inverse square root by "eigh" or by
-  `newton_schulz(M)` (which knows the spectral bound that fits its caller)."""
-  m = gram(a)
-  if method == "eigh":
-    inv_root = _inv_sqrt_eigh(m)
-  elif method == "newton_schulz":
-    inv_root = newton_schulz(m)
-  else:
-    raise ValueError(f"method must be one of {RETRACTIONS}; got {method!r}.")
-  return a @ inv_root
+@functools.partial(jax.jit, static_argnames=("max_steps",))
+def inv_sqrt_newton_schulz(m: jax.Array, tol, max_steps: int):
+  """M^(-1/2) for any symmetric positive definite M (..., r, r), matmuls only.
+
+  Scales by c = min(||M||_F, 1 + ||M - I||_F) (each >= lambda_max, so every
+  eigenvalue p of M/c lies in (0, 1], where the iteration cannot diverge;
+  the second is the tighter one for nearly orthonormal frames), then runs
+  coupled steps in a `lax.while_loop` until every frame's certificate
+  (`_residual_bounds`) is <= tol or max_steps is reached
+  (`newton_schulz_fallback_steps` gives the count for a condition number).
+
+  A frame stops (keeps its iterate) once certified, and also once ||Z Y - I||_F
+  exceeds twice its smallest value so far: in exact arithmetic it decreases
+  at every step, so growth means rounding has taken over, as for a
+  rank-deficient M whose zero eigenvalue rounded negative (p < 0 would grow
+  like (9/4)^k and overflow). A frame with non-finite entries stops at once
+  (NaN in, NaN out) and does not keep the others iterating. A rank-deficient
+  frame thus gets a finite, non-orthonormal factor in at most max_steps.
+
+  Not reverse-mode differentiable (`lax.while_loop`); forward mode works.
+
+  Returns (inv_root, steps, certificate): steps is the loop count (the
+  slowest frame's), certificate the per-frame bound on ||Z Y - I||_F.
+  """
+  r = m.shape[-1]
+  eye = jnp.eye(r, dtype=m.dtype)
+  c = _lambda_max_bound(m)
+  # A zero frame (M = 0) gets a zero factor rather than 0 / 0.
+  c = jnp.maximum(c, jnp.finfo(m.dtype).tiny)[..., None, None]
+  batch = m.shape[:-2]
+
+  def cond(carry):
+    *_, active, k = carry
+    return jnp.any(active) & (k < max_steps)
+
+  def body(carry):
+    y, z, bound, best, active, k = carry
+    res = z @ y - eye
+    rho, new_bound = _residual_bounds(res)
+    # NaN rho fails the comparison: a non-finite frame stops here.
+    moving = active & (rho <= 2.0 * best)
+    y_new, z_new = _newton_schulz_step(y, z, res, eye)
+    keep = moving[..., None, None]
+    y = jnp.where(keep, y_new, y)
+    z = jnp.where(keep, z_new, z)
+    bound = jnp.where(moving, new_bound, bound)
+    return (y, z, bound, jnp.minimum(best, rho), moving & (new_bound > tol),
+            k + 1)
+
+  init = (m / c, jnp.broadcast_to(eye, m.shape),
+          jnp.full(batch, jnp.inf, m.dtype), jnp.full(batch, jnp.inf, m.dtype),
+          jnp.ones(batch, bool), jnp.zeros([], jnp.int32))
+  _, z, bound, _, _, steps = jax.lax.while_loop(cond, body, init)
+  return z * jax.lax.rsqrt(c), steps, bound
+
+
+@jax.jit
+def _polar_fallback(a: jax.Array, m: jax.Array) -> jax.Array:
+  """polar(A) for any full-rank A (..., d, r), from M = A^T A: two passes of
+  the M-scaled iteration (`inv_sqrt_newton_schulz`).
+
+  Pass 1, Q_1 = A M^(-1/2) to tol_1 = sqrt(tol): forming M rounds its small
+  eigenvalues by ~eps lambda_max, so Q_1 is accurate only to ~eps kappa(M)
+  whatever the iteration does. Pass 2 polishes Q_1 from its own Gram
+  matrix, now well conditioned, to tol = `newton_schulz_accept_tol`; the
+  square-root tolerance of pass 1 is all that one quadratic step of pass 2
+  needs. Two passes reach tol whenever eps kappa(M) << 1, i.e.
+  kappa(A) << eps^(-1/2) (float64: 6.7e7; float32: 2.9e3). A rank-deficient
+  A gets a finite frame that is not orthonormal.
+  """
+  r = a.shape[-1]
+  tol = newton_schulz_accept_tol(a.dtype, r)
+  max_steps = newton_schulz_max_steps(a.dtype, r)
+  tols = jnp.asarray([math.sqrt(tol), tol], a.dtype)
+
+  # One loop over the passes, so that the iteration is compiled once.
+  def one_pass(i, carry):
+    q, m = carry
+    inv_root, _, _ = inv_sqrt_newton_schulz(m, tols[i], max_steps=max_steps)
+    q = q @ inv_root
+    return q, gram(q)
+
+  q, _ = jax.lax.fori_loop(0, 2, one_pass, (a, m))
+  return q
+
+
+@jax.jit
+def _certified_polar(a: jax.Array, m: jax.Array, inv_root: jax.Array,
+                     certificate: jax.Array) -> jax.Array:
+  """A @ inv_root when every frame's certificate is <= the accepted
+  tolerance (`newton_schulz_accept_tol`), else `_polar_fallback` for the
+  whole batch, chosen on device by `lax.cond` (no host round trip).
+
+  A NaN certificate fails the test, so a diverged fast path always falls
+  back. Under `jax.vmap` the cond becomes a select and both branches run
+  (the library never vmaps the retraction: batches are leading axes).
+  """
+  tol = newton_schulz_accept_tol(a.dtype, a.shape[-1])
+  ok = jnp.all(certificate <= tol)
+  return jax.lax.cond(ok, lambda a, z, m: a @ z,
+                      lambda a, z, m: _polar_fallback(a, m), a, inv_root, m)
+
+
+def _polar_newton_schulz(a: jax.Array, m: jax.Array, c: jax.Array,
+                         num_steps: Optional[int], counted=None) -> jax.Array:
+  """polar(A) by Newton–Schulz from M = A^T A scaled by c (per frame).
+
+  num_steps given: exactly that many steps, no certificate (for callers
+  that size the count themselves, and to measure the iteration).
+  Otherwise `counted(Y)` returns (Z, certificate) for Y = M/c (a fixed or
+  run-time count), and `_certified_polar` checks it.
+  """
+  c = c[..., None, None]
+  y = m / c
+  if num_steps is not None:
+    if num_steps < 1:
+      inv_root = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
+    else:
+      inv_root, _ = _newton_schulz_fixed(y, num_steps=num_steps)
+    return a @ (inv_root * jax.lax.rsqrt(c))
+  z, certificate = counted(y)
+  # Z Y -> I only says Z^2 = (M/c)^(-1): an eigenvalue p > 3 of M/c makes
+  # T = (3 - p)/2 < 0 and flips that direction's sign, which converges to
+  # another square root (a frame U S V^T, S a sign matrix, not polar(A)).
+  # p <= 5/2 for all of them rules this out: T > 0 at every step (after one
+  # step all p lie in (0, 1]). On the fast path's domain p < 2.
+  # lambda_max(M) <= 1 + ||M - I||_F (Weyl): one reduction; on the fast
+  # path M - I = xi^T xi has ||M - I||_F <= s, so p <= (1 + s) / (1 + s/2).
+  eye = jnp.eye(m.shape[-1], dtype=m.dtype)
+  principal = 1.0 + frame_norm(m - eye) <= 2.5 * c[..., 0, 0]
+  certificate = jnp.where(principal, certificate, jnp.inf)
+  return _certified_polar(a, m, z * jax.lax.rsqrt(c), certificate)
+
+
+def _check_method(fn: str, method: str) -> None:
+  if method not in RETRACTIONS:
+    raise ValueError(
+        f"{fn}: method must be one of {RETRACTIONS}; got {method!r}.")
+
+
+# --------------------------------------------------------------------------
+# Polar factor and retraction.
 
 
 def polar(a: jax.Array, method: str = "eigh", *,
@@ -237,39 +567,87 @@ def polar(a: jax.Array, method: str = "eigh", *,
 
   Only r x r matrices are factorised; no d x r SVD.
   method="eigh": exact inverse square root by a symmetric eigendecomposition.
-  method="newton_schulz": matmul-only, for near-orthonormal A (the spectrum
-  of A^T A within [1 - s, 1 + s], s = ||A^T A - I||_F < 1); `num_steps`
-  defaults to 6. For retractions prefer `retract`, which knows a tighter
-  bound from the step norm.
+  method="newton_schulz": matmul only, correct for any full-rank A. With
+  s = ||A^T A - I||_F, six coupled steps on M = A^T A (its spectrum lies in
+  [1 - s, 1 + s], so for s <= 1/2 they reach e_6 < 1e-24), checked by the
+  run-time certificate; when it fails (s large, A far from orthonormal) the
+  M-scaled fallback of `retract` runs instead. A rank-deficient A gets a
+  finite frame that is not orthonormal. `num_steps` given: exactly that many
+  steps, no certificate and no fallback (e.g. a polish of a nearly
+  orthonormal A). Newton–Schulz by default is not reverse-mode
+  differentiable (its fallback is a `lax.while_loop`).
   """
-  check_frame_shape(a.shape, "a")
-  steps = 6 if num_steps is None else num_steps
-
-  def newton_schulz(m):
-    s = frame_norm(m - jnp.eye(m.shape[-1], dtype=m.dtype))
-    return _inv_sqrt_newton_schulz(m, 1.0 - s, 1.0 + s, steps)
-
+  check_frame_shape(a.shape, "polar: a")
+  _check_method("polar", method)
   a_c = a.astype(compute_dtype(a.dtype))
-  return _polar_factor(a_c, method, newton_schulz).astype(a.dtype)
+  m = gram(a_c)
+  if method == "eigh":
+    return (a_c @ _inv_sqrt_eigh(m)).astype(a.dtype)
+  # Centred on 1 (lo + hi = 2): |1 - p| <= s for every eigenvalue.
+  c = jnp.ones(m.shape[:-2], m.dtype)
+  out = _polar_newton_schulz(a_c, m, c, num_steps,
+                             lambda y: _newton_schulz_fixed(y, num_steps=6))
+  return out.astype(a.dtype)
 
 
 def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
-            max_step_norm: Optional[float] = 1.0,
+            max_step_norm: Optional[float] = None,
             num_steps: Optional[int] = None,
             tangent: bool = True) -> jax.Array:
-  """Polar retraction R_W(xi) = polar(W + xi).
+  """Polar retraction R_W(xi) = polar(W + xi), correct for any full-rank W + xi.
 
   The r x r matrix inverted is M = (W + xi)^T (W + xi), formed from W + xi
   itself so that a frame which rounding moved slightly off the manifold is
-  pulled back onto it. For tangent xi and W on the manifold M = I + xi^T xi,
-  whose spectrum lies in [1, 1 + ||xi||_F^2]; Newton–Schulz scales by that
-  per-frame bound and runs `newton_schulz_steps(max_step_norm, tol)` steps
-  with tol = `newton_schulz_tol(dtype)`, which is exact to rounding (float32
-  or float64) whenever ||xi||_F <= max_step_norm.
-  tangent=False uses the bound for any xi (`step_spectrum`) instead, for
-  steps that were not projected. max_step_norm=None (and no num_steps):
-  steps of any length, with the step count found at run time from the
-  actual step norms (`_inv_sqrt_newton_schulz_adaptive`).
+  pulled back onto it. W and xi must have the same shape.
+
+  method="eigh": exact, any step. method="newton_schulz" (matmul only) has
+  a fast path, a certificate and a fallback:
+
+  Fast path. For tangent xi and W on the manifold M = I + xi^T xi, whose
+  spectrum lies in [1, 1 + ||xi||_F^2]; Newton–Schulz scales by that
+  per-frame bound. max_step_norm=delta: `newton_schulz_steps(delta, tol)`
+  steps, tol = `newton_schulz_tol(dtype)`, exact to rounding whenever
+  ||xi||_F <= delta. max_step_norm=None (default): the count is found at run
+  time from the actual step norms (a `lax.while_loop`), so every step
+  length is sized right. tangent=False: the bound for any xi
+  (`step_spectrum`) with a radius < 1; with no radius it goes straight to
+  the fallback, as no bound from the step exists.
+
+  Certificate. In the coupled iteration Q^T Q = Z Y (all are polynomials
+  in M), and a step maps R = Z Y - I to -R^2 (3I - R) / 4, so
+  rho^2 (3 + rho) / 4 with rho = ||R||_F of the R that the last step forms
+  anyway bounds the returned frame's isometry error, with no extra product
+  (`_residual_bounds`). Z Y -> I alone would also accept another square
+  root: an eigenvalue p > 3 of M/c gives T = (3 - p)/2 < 0 and flips that
+  direction (a frame, but not polar(W + xi)); the scale check
+  1 + ||M - I||_F <= 5/2 c excludes it. If any frame fails either test or
+  is not finite, which happens when W is not orthonormal (a pretrained or
+  Flax-scaled kernel: from p > 3 the fixed iteration diverges) or the step
+  is longer than delta, a `lax.cond` (on device, no host sync) runs the
+  fallback for the whole batch. On the fast path's domain both tests pass
+  by construction (`_fast_path_steps` adds a step where the worst case
+  needs it), so the fallback never runs there.
+
+  Fallback. The M-scaled iteration: c = min(||M||_F, 1 + ||M - I||_F) >=
+  lambda_max puts every eigenvalue in (0, 1], where it cannot diverge or
+  flip, and a `lax.while_loop` runs until certified; two passes (the second
+  from the Gram matrix of the first result) absorb the rounding of forming
+  M, which limits any single pass to ~eps kappa(M). Steps:
+  `newton_schulz_fallback_steps` (about log(sqrt(r) kappa(M)) / log(9/4) + 6
+  per pass), at most `newton_schulz_max_steps`. A rank-deficient W + xi (a
+  zero head) gets a finite frame that is not orthonormal: no NaN.
+
+  num_steps given: exactly that many steps with the scale from the step
+  norm, no certificate and no fallback (to measure the iteration).
+
+  Costs and limits. Fast path: the two d x r x r products of M and A Z, one
+  r x r product for the first step and three for each other, plus two
+  O(r^2) reductions (rho and ||M - I||_F) and the cond. Under `jax.vmap`
+  the `lax.cond` becomes a select and both branches run (batch frames
+  along leading axes instead, as the library does). The Newton–Schulz
+  retraction is not reverse-mode differentiable (the fallback and the
+  run-time count are `lax.while_loop`s); forward mode works, and num_steps
+  or method="eigh" give a differentiable one.
 
   Newton–Schulz iteration count, from the bound. With delta =
   max_step_norm and s = ||xi||_F^2 <= delta^2, M / c with c = 1 + s/2 has
@@ -285,22 +663,37 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
 
   (tol = 1e-8 for float32, so sqrt(r) e_K stays far below float32 rounding
   of ~1e-7 sqrt(r), which then sets the isometry error; float64's tol
-  ~1e-15 adds one step.) The first step costs one r x r product, the
-  others three; with the two d x r x r products of M and A Z this is the
-  whole retraction.
+  ~1e-15 adds one step.)
   """
-  check_frame_shape(w.shape, "w")
+  check_frame_shape(w.shape, "retract: w")
+  check_same_shape("retract", "w", w.shape, "xi", xi.shape)
+  _check_method("retract", method)
   cdtype = compute_dtype(w.dtype)
-
-  def newton_schulz(m):
-    lo, hi = step_spectrum(frame_norm(xi.astype(cdtype)), tangent)
-    tol = newton_schulz_tol(cdtype)
-    if num_steps is None and max_step_norm is None:
-      return _inv_sqrt_newton_schulz_adaptive(m, lo, hi, tol)
-    steps = num_steps
-    if steps is None:
-      steps = newton_schulz_steps(max_step_norm, tol, tangent=tangent)
-    return _inv_sqrt_newton_schulz(m, lo, hi, steps)
-
-  a = w.astype(cdtype) + xi.astype(cdtype)
-  return _polar_factor(a, method, newton_schulz).astype(w.dtype)
+  xi_c = xi.astype(cdtype)
+  a = w.astype(cdtype) + xi_c
+  m = gram(a)
+  if method == "eigh":
+    return (a @ _inv_sqrt_eigh(m)).astype(w.dtype)
+  if num_steps is None and max_step_norm is None and not tangent:
+    # No bound from the step: an infinite certificate selects the fallback
+    # (through the same compiled cond as the other paths).
+    eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=cdtype), m.shape)
+    inf = jnp.full(m.shape[:-2], jnp.inf, cdtype)
+    return _certified_polar(a, m, eye, inf).astype(w.dtype)
+  lo, hi = step_spectrum(frame_norm(xi_c), tangent)
+  c = 0.5 * (lo + hi)
+  tol = newton_schulz_tol(cdtype)
+  r = w.shape[-1]
+  accept = newton_schulz_accept_tol(cdtype, r)
+  if max_step_norm is not None:
+    steps = _fast_path_steps(max_step_norm, tol, accept, r, tangent)
+    counted = lambda y: _newton_schulz_fixed(y, num_steps=steps)
+  else:
+    p = lo / c
+    # A non-finite step (one bad frame) must not set the others' count.
+    p0 = jnp.min(jnp.where(jnp.isfinite(p), p, 1.0)).astype(cdtype)
+    max_steps = newton_schulz_max_steps(cdtype, r)
+    counted = lambda y: _newton_schulz_counted(
+        y, p0, tol=tol, accept=accept, r=r, max_steps=max_steps)
+  out = _polar_newton_schulz(a, m, c, num_steps, counted)
+  return out.astype(w.dtype)

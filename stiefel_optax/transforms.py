@@ -37,6 +37,21 @@ def _check_leaf(path, leaf, name: str):
   geometry.check_frame_shape(leaf.shape, where)
 
 
+def check_update_shapes(updates, params, name: str) -> None:
+  """Raises ValueError naming the leaf path and both shapes where an update
+  (gradient or step) does not have the shape of its frame: the geometry
+  never broadcasts one against the other."""
+  def check(path, w, u):
+    u_shape, w_shape = getattr(u, "shape", None), getattr(w, "shape", None)
+    if u_shape is not None and w_shape is not None and (
+        tuple(u_shape) != tuple(w_shape)):
+      raise ValueError(
+          f"{name}: parameter {jax.tree_util.keystr(path) or '<root>'} has"
+          f" shape {tuple(w_shape)} but its update has shape"
+          f" {tuple(u_shape)}; they must be equal.")
+  jax.tree_util.tree_map_with_path(check, params, updates)
+
+
 def check_frame_leaves(params, name: str) -> None:
   """Raises ValueError naming the leaf path and shape of any leaf that cannot
   hold Stiefel frames (rank < 2, r > d, non-float dtype)."""
@@ -79,6 +94,7 @@ def project_to_tangent() -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     _require_params(params, "project_to_tangent")
+    check_update_shapes(updates, params, "project_to_tangent")
     return _per_frame(lambda g, w: geometry.project_tangent(w, g),
                       updates, params), state
 
@@ -145,6 +161,7 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
   def update_fn(updates, state, params=None):
     _require_params(params, "scale_by_frame_adam")
+    check_update_shapes(updates, params, "scale_by_frame_adam")
     count = optax.safe_increment(state.count)
 
     def leaf(g_in, m, v, w):
@@ -225,30 +242,43 @@ def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
 
 
 def retract_polar(method: str = "newton_schulz", *,
-                  max_step_norm: Optional[float] = 1.0,
+                  max_step_norm: Optional[chex.Numeric] = None,
                   tangent: bool = True) -> optax.GradientTransformation:
-  """Turns a tangent step xi into the additive update polar(W + xi) - W.
+  """Turns a step xi into the additive update polar(W + xi) - W.
 
-  `optax.apply_updates(W, update)` then lands on the retracted frame. With
-  method="newton_schulz" (matmul only) steps up to ||xi||_F <= max_step_norm
-  are retracted to rounding (see `geometry.newton_schulz_steps`);
-  method="eigh" is exact for any step. Set tangent=False when the incoming
-  steps are not tangent (no projection before it): Newton–Schulz then uses
-  the general bound and needs max_step_norm < 1. max_step_norm=None: no
-  bound on the step (no trust region before it); Newton–Schulz then finds
-  its step count at run time from the step norms.
+  `optax.apply_updates(W, update)` then lands on the retracted frame, for
+  any full-rank W + xi (`geometry.retract`): method="eigh" is exact;
+  method="newton_schulz" (matmul only) runs a fixed, derived step count
+  sized for steps ||xi||_F <= max_step_norm on an orthonormal W (see
+  `geometry.newton_schulz_steps`), checks the result with a run-time
+  certificate, and falls back (on device) to an iteration scaled from
+  (W + xi)^T (W + xi) itself when the certificate fails: a longer step, a W
+  that is not orthonormal. A rank-deficient W + xi (a zero head) gets a
+  finite frame that cannot be orthonormal.
+
+  Args:
+    method: "newton_schulz" (default) or "eigh".
+    max_step_norm: the trust-region radius of the steps it receives (put
+      `clip_frame_norm(max_step_norm)` before it), which fixes the
+      Newton–Schulz count at trace time. None (default): no radius; the
+      count is found at run time from the actual step norms, right for
+      every step length. A traced radius (`optax.inject_hyperparams`) is
+      treated as None.
+    tangent: False when the incoming steps are not tangent (no projection
+      before it): the fixed count then uses the bound for any step and needs
+      max_step_norm < 1; with max_step_norm=None the M-scaled iteration
+      runs directly.
   """
   if method not in geometry.RETRACTIONS:
     raise ValueError(
         f"retract_polar: method must be one of {geometry.RETRACTIONS}; got"
         f" {method!r}.")
-  if max_step_norm is not None:       # validates the radius now
-    geometry.newton_schulz_steps(max_step_norm, tangent=tangent)
-  elif method == "newton_schulz" and not tangent:
-    raise ValueError(
-        "retract_polar: a non-tangent step of unbounded norm can make W + xi"
-        " singular; set max_step_norm < 1 (with a trust region before it) or"
-        " use method='eigh'.")
+  radius = None if max_step_norm is None else static_float(max_step_norm)
+  if radius is not None:              # validates the radius now
+    try:
+      geometry.newton_schulz_steps(radius, tangent=tangent)
+    except ValueError as err:
+      raise ValueError(f"retract_polar: {err}") from None
 
   def init_fn(params):
     check_frame_leaves(params, "retract_polar")
@@ -256,13 +286,14 @@ def retract_polar(method: str = "newton_schulz", *,
 
   def update_fn(updates, state, params=None):
     _require_params(params, "retract_polar")
+    check_update_shapes(updates, params, "retract_polar")
 
     def leaf(xi, w):
       cdtype = geometry.compute_dtype(w.dtype)
       w_c = w.astype(cdtype)
-      # The step count follows from max_step_norm and the compute dtype.
+      # The fast path's count follows from the radius and the compute dtype.
       new = geometry.retract(w_c, xi.astype(cdtype), method,
-                             max_step_norm=max_step_norm, tangent=tangent)
+                             max_step_norm=radius, tangent=tangent)
       return (new - w_c).astype(xi.dtype)
 
     return jax.tree.map(leaf, updates, params), state
