@@ -3,6 +3,12 @@
 float64 is enabled per test through the thread-local `jax.enable_x64`
 context manager, so no test changes the global `jax_enable_x64` flag that
 the other test modules (float32) rely on.
+
+Transform tests written as `chex.TestCase` methods use
+`chex.variants(with_jit=True, without_jit=True)` (`self.variant`) and get
+these fixtures through `pytest.mark.usefixtures("x64")` and an autouse
+method fixture (see tests/test_transforms.py); the `variant` fixture below
+is the same pair for plain pytest functions.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ def x64():
 
 @pytest.fixture(params=[True, False], ids=["jit", "nojit"])
 def variant(request):
-  """`jax.jit` or the identity: run each transform with and without jit."""
+  """`jax.jit` or the identity: run each transform with and without jit
+  (for plain pytest functions; `chex.TestCase` methods use chex.variants)."""
   return jax.jit if request.param else (lambda f, **_: f)
 
 

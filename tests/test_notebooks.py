@@ -3,11 +3,11 @@
 The code cells run in-process, in order, in one namespace, with matplotlib's
 Agg backend: no Jupyter kernel is started, so the test does not depend on
 which interpreter a `python3` kernelspec points to, and it reuses this
-process's JAX (the same venv that CI creates).
+process's JAX (the same venv that CI creates). How long it takes is not
+asserted here: timing belongs in the benchmarks.
 """
 
 import pathlib
-import resource
 
 import matplotlib
 import nbformat
@@ -15,12 +15,6 @@ import numpy as np
 import pytest
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
-CPU_BUDGET_S = 40.0
-
-
-def _cpu_seconds():
-  r = resource.getrusage(resource.RUSAGE_SELF)
-  return r.ru_utime + r.ru_stime
 
 
 def run_notebook(path):
@@ -42,15 +36,14 @@ def quickstart():
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   plt.close("all")
-  start = _cpu_seconds()
   ns = run_notebook(NOTEBOOKS / "quickstart.ipynb")
-  ns["_cpu_s"] = _cpu_seconds() - start
   yield ns
   plt.close("all")
 
 
-def test_quickstart_runs_fast(quickstart):
-  assert quickstart["_cpu_s"] < CPU_BUDGET_S, quickstart["_cpu_s"]
+def test_quickstart_runs(quickstart):
+  """Every code cell executed (the fixture) and the run is the documented
+  one: at least 200 training steps."""
   assert quickstart["STEPS"] >= 200
 
 

@@ -8,6 +8,7 @@ fails when the property is absent, so the certificates can fail.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,8 @@ import pytest
 
 import stiefel_optax as so
 from stiefel_optax import geometry
+
+import equivariance
 
 TOL = 1e-12
 METHODS = geometry.RETRACTIONS
@@ -70,12 +73,7 @@ def runner(tx, steps=20):
 
 def haar_orthogonal(seed, d):
   """Q in O(d) with det Q = -1 (a reflection, the harder half of O(d))."""
-  rng = np.random.default_rng(seed)
-  q, r = np.linalg.qr(rng.standard_normal((d, d)))
-  q = q * np.sign(np.diag(r))
-  if np.linalg.det(q) > 0:
-    q[:, 0] = -q[:, 0]
-  return jnp.asarray(q)
+  return jnp.asarray(equivariance.haar_orthogonal(seed, d, det=-1))
 
 
 # ---------------------------------------------------------------------------
@@ -94,7 +92,8 @@ def test_p1_riemannian_gradient_is_steepest_ascent(x64, frames, normal,
   normal_part = big_g - g
   s = jnp.einsum("...di,...dj->...ij", w, normal_part)
   # 256 random unit tangent directions per frame.
-  xis = so.project_tangent(w[:, None], normal(3, (SHAPE[0], 256) + SHAPE[1:]))
+  many = (SHAPE[0], 256) + SHAPE[1:]
+  xis = so.project_tangent(jnp.broadcast_to(w[:, None], many), normal(3, many))
   xis = xis / jnp.linalg.norm(xis, axis=(-2, -1), keepdims=True)
   g_norm = jnp.linalg.norm(g, axis=(-2, -1))
   along = inner(big_g[:, None], xis)
@@ -177,12 +176,16 @@ def test_p3_singular_values_of_w_plus_xi(x64, frames, normal, certificate):
     worst = max(worst, rel(sv ** 2, 1.0 + lam))
     assert sv.min() >= 1.0 - TOL
     assert sv.max() <= np.sqrt(1.0 + delta ** 2) * (1.0 + TOL)
-    # Attained: xi = delta u v^T with u orthogonal to span(W).
-    u = so.project_tangent(w[0], normal(9, (d, 1)))[:, 0]
+    # Attained: xi = delta u v^T with u a unit vector orthogonal to span(W)
+    # (the normal-complement part of a random vector), v a unit r-vector.
+    u = normal(9, (d,))
     u = u - w[0] @ (w[0].T @ u)
     v = jnp.ones(r) / np.sqrt(r)
     rank_one = delta * jnp.outer(u / jnp.linalg.norm(u), v)
-    assert float(jnp.linalg.norm(w[0].T @ rank_one)) <= TOL
+    # W^T xi = 0 (so xi is tangent, with xi^T xi = delta^2 v v^T of rank
+    # one), and the projection leaves it unchanged.
+    assert float(jnp.linalg.norm(w[0].T @ rank_one)) <= TOL * delta
+    assert rel(so.project_tangent(w[0], rank_one), rank_one) <= TOL
     sv1 = np.linalg.svd(np.asarray(w[0] + rank_one), compute_uv=False)
     worst = max(worst, abs(sv1.max() / np.sqrt(1.0 + delta ** 2) - 1.0),
                 abs(sv1.min() - 1.0))
@@ -198,22 +201,31 @@ def test_p3_singular_values_of_w_plus_xi(x64, frames, normal, certificate):
 # P4: O(d)-equivariance
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_p4_equivariance_over_20_steps(method, x64, frames, certificate):
-  """For Q in O(d): the trajectory from Q W0 on the rotated problem
-  (gradients Q G(Q^T W), i.e. A' = Q A Q^T, B' = Q B) is Q times the
-  trajectory from W0, so every step from (QW, QG, Qm) is Q times the step
-  from (W, G, m)."""
+def p4_optimizers():
+  """Every Stiefel optimizer (`equivariance.stiefel_optimizers`), plus
+  stiefel_adam on the LR schedule whose early steps hit the trust region
+  (so the cap's branch is in the certificate too)."""
+  txs = dict(equivariance.stiefel_optimizers())
+  for method in METHODS:
+    txs[f"stiefel_adam/{method}, capped"] = so.stiefel_adam(
+        LR, max_step_norm=0.1, retraction=method)
+  return txs
+
+
+@pytest.mark.parametrize("name", sorted(p4_optimizers()))
+def test_p4_equivariance_over_20_steps(name, x64, frames, certificate):
+  """For Q in O(d) (det Q = -1): the trajectory from Q W0 on the rotated
+  problem (gradients Q G(Q^T W), i.e. A' = Q A Q^T, B' = Q B) is Q times
+  the trajectory from W0, and the state (momentum) is Q times the state,
+  so every step from (QW, QG, Qm) is Q times the step from (W, G, m)."""
   a, b = quadratic(10)
   w0 = frames(11, SHAPE)
-  q = haar_orthogonal(12, SHAPE[-2])
-  run = runner(so.stiefel_adam(LR, max_step_norm=0.1, retraction=method))
-  base = run(w0, a, b, 1.0)
-  rotated = run(q @ w0, q @ a @ q.T, q @ b, 1.0)
-  err = certificate(f"P4 O(d)-equivariance, 20 steps ({method})",
-                    rel(rotated, q @ base))
+  q = equivariance.haar_orthogonal(12, SHAPE[-2], det=-1)
+  err = equivariance.assert_od_equivariant(
+      p4_optimizers()[name], w0, lambda w, t: -a @ w + b, q, steps=20,
+      atol=1e-13, min_motion=0.1)                 # the frames moved
+  err = certificate(f"P4 O(d)-equivariance, 20 steps ({name})", err)
   assert err <= TOL
-  assert rel(base[-1], w0) > 0.3                  # the frames moved
 
 
 def test_p4_one_step_from_rotated_state(x64, frames, normal, certificate):
@@ -233,6 +245,7 @@ def test_p4_one_step_from_rotated_state(x64, frames, normal, certificate):
 
   u, mu = step(w, g, m)
   u_q, mu_q = step(q @ w, q @ g, q @ m)
+  chex.assert_trees_all_close((u_q, mu_q), (q @ u, q @ mu), atol=1e-13)
   err = certificate("P4 one step from (QW, QG, Qm)",
                     max(rel(u_q, q @ u), rel(mu_q, q @ mu)))
   assert err <= TOL
@@ -241,10 +254,12 @@ def test_p4_one_step_from_rotated_state(x64, frames, normal, certificate):
 def test_p4_per_coordinate_adam_is_not_equivariant(x64, frames):
   """Negative control: a per-coordinate second moment breaks the
   equivariance, both for plain optax.adam on the frames and for the
-  Stiefel chain with optax.scale_by_adam in place of the frame moment."""
+  Stiefel chain with optax.scale_by_adam in place of the frame moment;
+  the same check as above fails on them."""
   a, b = quadratic(10)
   w0 = frames(11, SHAPE)
-  q = haar_orthogonal(12, SHAPE[-2])
+  q = equivariance.haar_orthogonal(12, SHAPE[-2], det=-1)
+  grads = lambda w, t: -a @ w + b
   per_coordinate = {
       "optax.adam": optax.adam(0.05),
       "riemannian chain + scale_by_adam": optax.chain(
@@ -253,10 +268,11 @@ def test_p4_per_coordinate_adam_is_not_equivariant(x64, frames):
           so.retract_polar("eigh", max_step_norm=0.1)),
   }
   for name, tx in per_coordinate.items():
-    run = runner(tx)
-    base = run(w0, a, b, 1.0)
-    rotated = run(q @ w0, q @ a @ q.T, q @ b, 1.0)
-    assert rel(rotated, q @ base) > 1e-3, name
+    dev = equivariance.od_deviation(tx, w0, grads, q, steps=20)
+    assert dev > 1e-3, (name, dev)
+    with pytest.raises(AssertionError):
+      equivariance.assert_od_equivariant(tx, w0, grads, q, steps=20,
+                                         atol=1e-6)
 
 
 # ---------------------------------------------------------------------------
