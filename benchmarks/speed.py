@@ -238,7 +238,7 @@ def update_comparison(cfg: TreeConfig, iters: int,
   gqk, grest = _split_qk(grads)
   parts = {name: (tx, params, grads) for name, tx in optimizers().items()}
   if profile:
-    view = so.FLAX_PER_HEAD
+    view = so.FrameSpec(rows=0, cols=2)       # (d, heads, head_dim)
     qk_frames = {k: so.to_frames(x, view) for k, x in qk.items()}
     gqk_frames = {k: so.to_frames(x, view) for k, x in gqk.items()}
     parts.update({
@@ -390,7 +390,7 @@ def qk_state_bytes(cfg: TreeConfig) -> Dict[str, Any]:
   adamw_bytes = sum(_nbytes(x) for p, x in
                     jax.tree_util.tree_leaves_with_path(adamw) if _is_qk(p))
   st = jax.eval_shape(txs["stiefel_attention"].init, params)
-  group = st.inner_states[so.STIEFEL]
+  group = st.stiefel
   st_bytes = sum(_nbytes(x) for x in jax.tree.leaves(group))
   qk, _ = _split_qk(params)
   return {"tree": cfg.name, "qk_param_bytes": sum(_nbytes(x) for x in qk.values()),

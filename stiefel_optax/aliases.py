@@ -38,7 +38,8 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
                  b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                  max_step_norm: Optional[float] = DEFAULT_MAX_STEP_NORM,
                  retraction: str = "newton_schulz",
-                 mu_dtype: Optional[Any] = None
+                 mu_dtype: Optional[Any] = None,
+                 orthonormal_start: str = "check"
                  ) -> optax.GradientTransformation:
   """Riemannian Adam on St(d, r), one scalar second moment per frame.
 
@@ -57,9 +58,27 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
       None disables the cap (ablation); may be injected (traced).
     retraction: "newton_schulz" (matmul only, default) or "eigh".
     mu_dtype: dtype of the first moment.
+    orthonormal_start: "check" (init names a frame that is not
+      orthonormal) or "project" (the first step retracts it onto the
+      manifold); see `transforms.project_to_tangent`.
+
+  >>> import jax, jax.numpy as jnp, optax, stiefel_optax as so
+  >>> a = jnp.diag(jnp.arange(8.0))         # maximise tr(W^T A W): 7 + 6
+  >>> w = so.random_frames(jax.random.key(0), (8, 2))
+  >>> tx = so.stiefel_adam(0.05)
+  >>> state = tx.init(w)
+  >>> @jax.jit
+  ... def step(w, state):
+  ...   g = jax.grad(lambda w: -jnp.trace(w.T @ a @ w))(w)
+  ...   u, state = tx.update(g, state, w)
+  ...   return optax.apply_updates(w, u), state
+  >>> for _ in range(300):
+  ...   w, state = step(w, state)
+  >>> round(float(jnp.trace(w.T @ a @ w)), 3), bool(so.isometry_error(w) < 1e-5)
+  (13.0, True)
   """
   return optax.chain(
-      transforms.project_to_tangent(),
+      transforms.project_to_tangent(orthonormal_start),
       transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype),
       optax.scale_by_learning_rate(learning_rate),
       *_cap_and_retract(max_step_norm, retraction))
@@ -67,13 +86,22 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
 
 def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
                    max_step_norm: Optional[float] = None,
-                   retraction: str = "newton_schulz"
+                   retraction: str = "newton_schulz",
+                   orthonormal_start: str = "check"
                    ) -> optax.GradientTransformation:
   """Fixed-step Riemannian SGD: W+ = polar(W - lr P_W(G)).
 
   Unlike `stiefel_adam` the step is proportional to the gradient's scale.
+  orthonormal_start as in `stiefel_adam`.
+
+  >>> import jax, jax.numpy as jnp, optax, stiefel_optax as so
+  >>> w = so.random_frames(jax.random.key(0), (8, 2))
+  >>> tx = so.riemannian_sgd(0.1)
+  >>> u, _ = tx.update(jnp.ones((8, 2)), tx.init(w), w)
+  >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)
+  True
   """
   return optax.chain(
-      transforms.project_to_tangent(),
+      transforms.project_to_tangent(orthonormal_start),
       optax.scale_by_learning_rate(learning_rate),
       *_cap_and_retract(max_step_norm, retraction))

@@ -93,7 +93,8 @@ def stiefel_attention(
   inner = stiefel_tx or aliases.stiefel_adam(
       stiefel_learning_rate if stiefel_learning_rate is not None
       else learning_rate, b1, b2, eps, max_step_norm=max_step_norm,
-      retraction=retraction, mu_dtype=mu_dtype)
+      retraction=retraction, mu_dtype=mu_dtype,
+      orthonormal_start=orthonormal_start)
   rest = euclidean_tx or optax.adamw(learning_rate, b1, b2,
                                      _euclidean_eps(eps),
                                      weight_decay=weight_decay,

@@ -23,7 +23,12 @@ def frame_isometry_errors(params, frames: specs_lib.Selector = None) -> dict:
 
 
 def max_isometry_error(params, frames: specs_lib.Selector = None) -> jax.Array:
-  """The largest isometry error over all selected frames."""
+  """The largest isometry error over all selected frames.
+
+  >>> import jax.numpy as jnp, stiefel_optax as so
+  >>> float(so.max_isometry_error({"key": {"kernel": jnp.zeros((4, 1, 1))}}))
+  1.0
+  """
   errs = frame_isometry_errors(params, frames)
   return jnp.max(jnp.stack([jnp.max(e) for e in errs.values()]))
 
@@ -31,7 +36,16 @@ def max_isometry_error(params, frames: specs_lib.Selector = None) -> jax.Array:
 def check_frames(params, frames: specs_lib.Selector = None,
                  atol: float = 1e-5) -> None:
   """Raises ValueError naming each selected leaf with a frame off the
-  manifold (isometry error > atol), with its error and shape."""
+  manifold (isometry error > atol), with its error and shape.
+
+  >>> import jax, stiefel_optax as so
+  >>> w = so.orthonormal_heads_init()(jax.random.key(0), (8, 2, 4))
+  >>> so.check_frames({"query": {"kernel": w}})            # passes
+  >>> so.check_frames({"query": {"kernel": 2 * w}})
+  Traceback (most recent call last):
+  ...
+  ValueError: check_frames: 1 kernel(s) off the Stiefel manifold ...
+  """
   shapes = {p: tuple(x.shape) for p, x, s in
             specs_lib.frame_specs(params, frames) if s is not None}
   errs = frame_isometry_errors(params, frames)
@@ -47,6 +61,14 @@ def check_frames(params, frames: specs_lib.Selector = None,
 
 def frame_movement(old_params, new_params,
                    frames: specs_lib.Selector = None) -> dict:
-  """{path: per-frame ||W_new - W_old||_F} for every selected leaf."""
+  """{path: per-frame ||W_new - W_old||_F} for every selected leaf.
+
+  >>> import jax, stiefel_optax as so
+  >>> w = so.orthonormal_heads_init()(jax.random.key(0), (8, 2, 4))
+  >>> moved = so.frame_movement({"query": {"kernel": w}},
+  ...                            {"query": {"kernel": -w}})
+  >>> moved["query/kernel"].round(4)       # ||-W - W||_F = 2 sqrt(r), per head
+  Array([4., 4.], dtype=float32)
+  """
   diff = jax.tree.map(lambda a, b: b - a, old_params, new_params)
   return views.map_frames(geometry.frame_norm, diff, frames, back=False)

@@ -81,7 +81,13 @@ def compute_dtype(dtype) -> jnp.dtype:
 
 
 def sym(a: jax.Array) -> jax.Array:
-  """sym(A) = (A + A^T) / 2 over the last two axes (square matrices)."""
+  """sym(A) = (A + A^T) / 2 over the last two axes (square matrices).
+
+  >>> import jax.numpy as jnp, stiefel_optax as so
+  >>> so.sym(jnp.array([[0.0, 2.0], [0.0, 0.0]]))
+  Array([[0., 1.],
+         [1., 0.]], dtype=float32)
+  """
   _check_matrices("sym", "a", a.shape)
   if a.shape[-1] != a.shape[-2]:
     raise ValueError(
@@ -120,6 +126,12 @@ def project_tangent(w: jax.Array, g: jax.Array) -> jax.Array:
   For W on the manifold the result xi satisfies W^T xi + xi^T W = 0 and
   G - P_W(G) = W sym(W^T G) is normal (embedded metric). W and G must have
   the same shape.
+
+  >>> import jax, jax.numpy as jnp, stiefel_optax as so
+  >>> w = so.random_frames(jax.random.key(0), (8, 3))
+  >>> xi = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+  >>> bool(jnp.abs(w.T @ xi + xi.T @ w).max() < 1e-5)
+  True
   """
   check_frame_shape(w.shape, "project_tangent: w")
   check_same_shape("project_tangent", "w", w.shape, "g", g.shape)
@@ -127,7 +139,12 @@ def project_tangent(w: jax.Array, g: jax.Array) -> jax.Array:
 
 
 def isometry_error(w: jax.Array) -> jax.Array:
-  """||W^T W - I||_F per frame; shape w.shape[:-2]."""
+  """||W^T W - I||_F per frame; shape w.shape[:-2].
+
+  >>> import jax.numpy as jnp, stiefel_optax as so
+  >>> float(so.isometry_error(jnp.eye(4, 2)))
+  0.0
+  """
   check_frame_shape(w.shape, "isometry_error: w")
   r = w.shape[-1]
   return frame_norm(gram(w) - jnp.eye(r, dtype=w.dtype))
@@ -138,6 +155,11 @@ def random_frames(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
 
   QR of a Gaussian matrix with the signs of diag(R) folded into Q (Mezzadri
   2007), which makes Q exactly Haar on St(d, r).
+
+  >>> import jax, stiefel_optax as so
+  >>> w = so.random_frames(jax.random.key(0), (4, 8, 3))       # 4 frames
+  >>> w.shape, bool(so.isometry_error(w).max() < 1e-5)
+  ((4, 8, 3), True)
   """
   shape = tuple(shape)
   check_frame_shape(shape, "random_frames: shape")
@@ -212,6 +234,10 @@ def newton_schulz_steps(max_step_norm: float = 1.0, tol: float = 1e-8, *,
   rounding; `retract` uses `newton_schulz_tol(dtype)`, one step more in
   float64). Non-tangent steps (tangent=False) need delta < 1 and more
   steps (delta = 0.1: 4).
+
+  >>> import stiefel_optax as so
+  >>> so.newton_schulz_steps(0.1), so.newton_schulz_steps(1.0)
+  (2, 4)
   """
   if not max_step_norm > 0 or not math.isfinite(max_step_norm):
     raise ValueError(f"max_step_norm must be finite and > 0; got {max_step_norm}.")
@@ -576,6 +602,11 @@ def polar(a: jax.Array, method: str = "eigh", *,
   steps, no certificate and no fallback (e.g. a polish of a nearly
   orthonormal A). Newton–Schulz by default is not reverse-mode
   differentiable (its fallback is a `lax.while_loop`).
+
+  >>> import jax, stiefel_optax as so
+  >>> a = 3.0 * jax.random.normal(jax.random.key(0), (8, 3))   # any full rank
+  >>> bool(so.isometry_error(so.polar(a, "newton_schulz")) < 1e-5)
+  True
   """
   check_frame_shape(a.shape, "polar: a")
   _check_method("polar", method)
@@ -664,6 +695,12 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
   (tol = 1e-8 for float32, so sqrt(r) e_K stays far below float32 rounding
   of ~1e-7 sqrt(r), which then sets the isometry error; float64's tol
   ~1e-15 adds one step.)
+
+  >>> import jax, stiefel_optax as so
+  >>> w = so.random_frames(jax.random.key(0), (8, 3))
+  >>> xi = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+  >>> bool(so.isometry_error(so.retract(w, 0.1 * xi)) < 1e-5)
+  True
   """
   check_frame_shape(w.shape, "retract: w")
   check_same_shape("retract", "w", w.shape, "xi", xi.shape)

@@ -173,6 +173,11 @@ def msign(x: jax.Array, num_steps: int = DEFAULT_MSIGN_STEPS, *,
   argument and the singular-value threshold, 2.1e-4 ||x||_F in float32 at
   the default 10 steps). The result is scale free: msign(c x) = msign(x)
   for c > 0. method="eigh": exact, by an r x r eigendecomposition.
+
+  >>> import jax, stiefel_optax as so
+  >>> u = so.msign(jax.random.normal(jax.random.key(0), (8, 3)))
+  >>> bool(so.isometry_error(u) < 1e-5)
+  True
   """
   geometry.check_frame_shape(x.shape, "x")
   if method not in MSIGN_METHODS:
@@ -196,6 +201,13 @@ def tangent_msign(w: jax.Array, m: jax.Array,
 
   For W orthonormal and tangent m != 0, ||D||_F <= sqrt(r) and
   1 <= ||D||_2 <= 2 / sqrt(3) (tight); see the module docstring.
+
+  >>> import jax, jax.numpy as jnp, stiefel_optax as so
+  >>> w = so.random_frames(jax.random.key(0), (8, 3))
+  >>> d = so.tangent_msign(w, so.project_tangent(
+  ...     w, jax.random.normal(jax.random.key(1), (8, 3))))
+  >>> bool(jnp.abs(w.T @ d + d.T @ w).max() < 1e-5)
+  True
   """
   return geometry.project_tangent(w, msign(m, num_steps, method=method))
 
@@ -246,6 +258,14 @@ def scale_by_tangent_msign(b1: float = 0.95, nesterov: bool = True, *,
     nesterov: use the Nesterov look-ahead n = b1 m + (1 - b1) g.
     num_steps, method: of `msign`.
     mu_dtype: dtype of the momentum (default: that of the params).
+
+  >>> import jax, jax.numpy as jnp, stiefel_optax as so
+  >>> w = so.random_frames(jax.random.key(0), (8, 3))
+  >>> tx = so.scale_by_tangent_msign()
+  >>> g = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+  >>> d, _ = tx.update(g, tx.init(w), w)
+  >>> bool(1.0 - 1e-4 <= float(jnp.linalg.norm(d, 2)) <= 1.155)   # ||D||_2
+  True
   """
   msign_coefficients(num_steps)          # validates num_steps now
   if method not in MSIGN_METHODS:
@@ -292,7 +312,8 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
                  msign_method: str = "polar_express",
                  max_step_norm: Optional[float] = None,
                  retraction: str = "newton_schulz",
-                 mu_dtype: Optional[Any] = None
+                 mu_dtype: Optional[Any] = None,
+                 orthonormal_start: str = "check"
                  ) -> optax.GradientTransformation:
   """Manifold Muon on St(d, r): W+ = polar(W - lr P_W(msign(momentum))).
 
@@ -356,9 +377,10 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
       may be injected (traced).
     retraction: "newton_schulz" (matmul only, default) or "eigh".
     mu_dtype: dtype of the momentum.
+    orthonormal_start: as in `stiefel_adam`.
   """
   return optax.chain(
-      transforms.project_to_tangent(),
+      transforms.project_to_tangent(orthonormal_start),
       scale_by_tangent_msign(b1, nesterov, num_steps=msign_steps,
                              method=msign_method, mu_dtype=mu_dtype),
       optax.scale_by_learning_rate(learning_rate),

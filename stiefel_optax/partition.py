@@ -15,13 +15,9 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
-from stiefel_optax import geometry, specs as specs_lib, views
-
-ORTHONORMAL_STARTS = ("check", "project")
+from stiefel_optax import geometry, specs as specs_lib, transforms, views
 
 
 class FramePartitionState(NamedTuple):
@@ -47,59 +43,17 @@ def _groups(tree, items):
   return treedef.unflatten(frames), treedef.unflatten(rest)
 
 
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer) and hasattr(x, "dtype") and (
-      not isinstance(x, jax.ShapeDtypeStruct))
-
-
-@jax.jit
-def _frame_stats(w):
-  """(isometry error, smallest and largest eigenvalue of W^T W) per frame."""
-  w = w.astype(geometry.compute_dtype(w.dtype))
-  lam = jnp.linalg.eigvalsh(geometry.gram(w))
-  return geometry.isometry_error(w), lam[..., 0], lam[..., -1]
-
-
-def start_tolerance(dtype, r: int) -> float:
-  """Isometry error accepted for a starting frame: 1e-4, or the dtype's
-  rounding (4 sqrt(r) eps) for bf16/f16 frames."""
-  return max(1e-4, 4.0 * np.sqrt(r) * float(jnp.finfo(dtype).eps))
-
-
 def check_start(items, orthonormal_start: str = "check") -> None:
-  """Raises ValueError naming the path, shape and error of a selected leaf
-  whose frames are rank-deficient, or (orthonormal_start="check") not
-  orthonormal. Leaves that are traced (init under jit) are not checked:
-  the retraction keeps their frames finite and lands them on the manifold.
-  """
+  """`transforms.check_start` on every selected leaf's frames, the error
+  naming the path, the leaf's shape, its frames and spec."""
   for path, x, spec in items:
-    if spec is None or not _is_concrete(x):
-      continue
-    view = views.to_frames(x, spec, path)
-    iso, lo, hi = (np.asarray(v) for v in _frame_stats(view))
-    r = view.shape[-1]
-    eps = float(jnp.finfo(geometry.compute_dtype(view.dtype)).eps)
-    deficient = lo <= r * eps * hi
-    if deficient.any():
-      idx = tuple(int(i) for i in np.argwhere(deficient)[0])
-      raise ValueError(
-          f"{path}: shape {tuple(x.shape)}, frames {view.shape} under {spec}:"
-          f" frame {idx} is rank-deficient (smallest singular value"
-          f" {np.sqrt(max(float(lo[idx]), 0.0)):.3g}, largest"
-          f" {np.sqrt(max(float(hi[idx]), 0.0)):.3g}), so no orthonormal frame"
-          " is near it. Reinitialise it (e.g. stiefel_optax.random_frames)"
-          " before training.")
-    tol = start_tolerance(x.dtype, r)
-    if orthonormal_start == "check" and not iso.max() <= tol:
-      idx = tuple(int(i) for i in np.unravel_index(iso.argmax(), iso.shape))
-      raise ValueError(
-          f"{path}: shape {tuple(x.shape)}, frames {view.shape} under {spec}:"
-          f" not orthonormal (isometry error ||W^T W - I||_F ="
-          f" {float(iso.max()):.3g} at frame {idx}, tolerance {tol:.3g})."
-          " Call params = stiefel_optax.orthonormalize(params, frames=...)"
-          " before creating the optimizer state, or pass"
-          " orthonormal_start='project' to retract the first step onto the"
-          " manifold (this changes the model's function).")
+    if spec is not None and transforms.is_concrete(x):
+      view = views.to_frames(x, spec, path)
+      transforms.check_start(
+          f"{path}: shape {tuple(x.shape)}, frames {view.shape} under {spec}",
+          view, orthonormal_start,
+          fix="Call params = stiefel_optax.orthonormalize(params, frames=...)"
+          " before creating the optimizer state. ")
 
 
 def frame_partition(stiefel_tx: optax.GradientTransformation,
@@ -137,15 +91,19 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
   ...                            frames=so.FrameSpec(rows=0, cols=2)) < 1e-5)
   True
   """
-  if orthonormal_start not in ORTHONORMAL_STARTS:
-    raise ValueError(f"orthonormal_start must be one of {ORTHONORMAL_STARTS};"
-                     f" got {orthonormal_start!r}.")
+  transforms.check_orthonormal_start_arg(orthonormal_start)
   rest_tx = euclidean_tx if euclidean_tx is not None else optax.set_to_zero()
 
   def init_fn(params):
     items = specs_lib.frame_specs(params, frames)
     check_start(items, orthonormal_start)
     f_params, r_params = _groups(params, items)
+    if orthonormal_start == "project":
+      # The inner chain checks its start too: give it the frames the first
+      # retraction will land on (its state holds only their shapes).
+      f_params = jax.tree.map(
+          lambda w: geometry.polar(w, "newton_schulz") if
+          transforms.is_concrete(w) else w, f_params)
     return FramePartitionState(stiefel_tx.init(f_params),
                                rest_tx.init(r_params))
 

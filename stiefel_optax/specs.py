@@ -60,9 +60,11 @@ class FrameSpec:
   >>> from stiefel_optax import FrameSpec
   >>> FrameSpec(rows=0, cols=2).frame_shape((64, 4, 16))       # linen MHA
   (4, 64, 16)
+
   >>> FrameSpec(rows=-2, cols=-1, parts=2, take=(0,)).frame_shape(
   ...     (2, 1, 64, 16))                                 # gemma kv_einsum
   (1, 1, 1, 64, 16)
+
   >>> FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=4).frame_shape(
   ...     (64, 192))                                      # nanoGPT c_attn
   (2, 4, 64, 16)
@@ -170,7 +172,13 @@ def _fmt(axes):
 
 def path_str(path) -> str:
   """'a/b/0/kernel' for a jax key path; nnx's trailing 'value' is dropped so
-  that an `nnx.State` of Variables and its pure dict have the same paths."""
+  that an `nnx.State` of Variables and its pure dict have the same paths.
+
+  >>> import jax, stiefel_optax as so
+  >>> [so.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+  ...     {"layers": [{"kernel": 1.0}]})]
+  ['layers/0/kernel']
+  """
   if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
       path[-1].name == "value") and len(path) > 1:
     path = path[:-1]
@@ -387,6 +395,12 @@ def frame_specs(params, frames: Selector = None) -> list:
   a leaf's layout cannot be decided, a spec does not fit its leaf (r > d,
   parts or heads that do not divide), a mapping entry matches no leaf, or
   nothing is selected at all.
+
+  >>> import jax.numpy as jnp, stiefel_optax as so
+  >>> tree = {"c_attn": {"kernel": jnp.zeros((16, 48))}, "ln": jnp.ones(16)}
+  >>> [(p, s) for p, _, s in so.frame_specs(
+  ...     tree, {r"c_attn/kernel$": so.fused_qkv(2)})]
+  [('c_attn/kernel', FrameSpec(rows=0, cols=1, heads=2, parts=3, take=(0, 1))), ('ln', None)]
   """
   if params is None or not jax.tree.leaves(params):
     raise ValueError(

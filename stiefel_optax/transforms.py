@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Optional
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from stiefel_optax import geometry
@@ -77,19 +78,114 @@ def unzip3(treedef, tree):
 
 
 # --------------------------------------------------------------------------
+# The starting frames.
+
+ORTHONORMAL_STARTS = ("check", "project")
+
+
+def check_orthonormal_start_arg(orthonormal_start: str) -> None:
+  if orthonormal_start not in ORTHONORMAL_STARTS:
+    raise ValueError(f"orthonormal_start must be one of {ORTHONORMAL_STARTS};"
+                     f" got {orthonormal_start!r}.")
+
+
+def is_concrete(x) -> bool:
+  """True for an array with values (not traced under jit, not abstract)."""
+  return hasattr(x, "dtype") and not isinstance(
+      x, (jax.core.Tracer, jax.ShapeDtypeStruct))
+
+
+@jax.jit
+def _frame_stats(w):
+  """(isometry error, smallest and largest eigenvalue of W^T W) per frame."""
+  w = w.astype(geometry.compute_dtype(w.dtype))
+  lam = jnp.linalg.eigvalsh(geometry.gram(w))
+  return geometry.isometry_error(w), lam[..., 0], lam[..., -1]
+
+
+def start_tolerance(dtype, r: int) -> float:
+  """Isometry error accepted for a starting frame: 1e-4, or the dtype's
+  rounding (4 sqrt(r) eps) for bf16/f16 frames."""
+  return max(1e-4, 4.0 * np.sqrt(r) * float(jnp.finfo(dtype).eps))
+
+
+def check_start(name: str, frames, orthonormal_start: str = "check",
+                fix: str = "") -> None:
+  """Raises ValueError, starting with `name`, when frames (..., d, r) hold a
+  rank-deficient frame, or (orthonormal_start="check") one that is not
+  orthonormal to `start_tolerance`. Skipped for traced frames (init under
+  jit): the retraction then keeps them finite and lands them on the
+  manifold. `fix` ends the not-orthonormal message (how to orthonormalize).
+  """
+  if not is_concrete(frames):
+    return
+  iso, lo, hi = (np.asarray(v) for v in _frame_stats(frames))
+  r = frames.shape[-1]
+  eps = float(jnp.finfo(geometry.compute_dtype(frames.dtype)).eps)
+  deficient = lo <= r * eps * hi
+  if deficient.any():
+    idx = tuple(int(i) for i in np.argwhere(deficient)[0])
+    raise ValueError(
+        f"{name}: frame {idx} is rank-deficient (smallest singular value"
+        f" {np.sqrt(max(float(lo[idx]), 0.0)):.3g}, largest"
+        f" {np.sqrt(max(float(hi[idx]), 0.0)):.3g}), so no orthonormal frame"
+        " is near it. Reinitialise it (e.g. stiefel_optax.random_frames)"
+        " before training.")
+  tol = start_tolerance(frames.dtype, r)
+  if orthonormal_start == "check" and not iso.max() <= tol:
+    idx = tuple(int(i) for i in np.unravel_index(iso.argmax(), iso.shape))
+    raise ValueError(
+        f"{name}: not orthonormal (isometry error ||W^T W - I||_F ="
+        f" {float(iso.max()):.3g} at frame {idx}, tolerance {tol:.3g}). {fix}"
+        "Or pass orthonormal_start='project' to retract the first step onto"
+        " the manifold (this changes the model's function at that step).")
+
+
+# --------------------------------------------------------------------------
 # Tangent projection.
 
 
-def project_to_tangent() -> optax.GradientTransformation:
+def project_to_tangent(orthonormal_start: str = "check"
+                       ) -> optax.GradientTransformation:
   """Replaces each gradient G by its Riemannian gradient P_W(G).
 
   P_W(G) = G - W sym(W^T G) (embedded metric). P_W(W) = 0 for W on the
   manifold, so Euclidean weight decay placed before this transform has no
   effect on a frame.
+
+  As the first link of every Stiefel chain it also checks the start: `init`
+  on concrete frames raises a ValueError naming the leaf when a frame is
+  rank-deficient or (orthonormal_start="check") not orthonormal; with
+  "project" the first retraction lands such frames on the manifold.
+
+  >>> import jax, jax.numpy as jnp, stiefel_optax as so
+  >>> w = so.random_frames(jax.random.key(0), (8, 2))
+  >>> tx = so.project_to_tangent()
+  >>> g, _ = tx.update(jnp.ones((8, 2)), tx.init(w), w)
+  >>> bool(jnp.abs(w.T @ g + g.T @ w).max() < 1e-6)     # tangent at w
+  True
   """
+  check_orthonormal_start_arg(orthonormal_start)
 
   def init_fn(params):
     check_frame_leaves(params, "project_to_tangent")
+
+    def check(path, w):
+      name = (f"project_to_tangent: parameter"
+              f" {jax.tree_util.keystr(path) or '<root>'}")
+      hint = ""
+      if w.ndim >= 3:
+        hint = (f" Its last two axes are taken as the frames (d, r) ="
+                f" {tuple(w.shape[-2:])}; if this is a (d, heads, head_dim)"
+                " kernel, train it through stiefel_optax.stiefel_attention("
+                "..., frames=...) or frame_partition(tx, None,"
+                " frames=FrameSpec(rows=0, cols=2)).")
+      check_start(f"{name} (shape {tuple(w.shape)})", w, orthonormal_start,
+                  fix=hint[1:] + " Otherwise orthonormalize it first"
+                  " (stiefel_optax.polar(w)). " if hint else
+                  "Orthonormalize it first (stiefel_optax.polar(w)). ")
+
+    jax.tree_util.tree_map_with_path(check, params)
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
@@ -147,6 +243,19 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     b1, b2, eps: as in `optax.scale_by_adam`.
     mu_dtype: dtype of the first moment (default: that of the params).
     transport_momentum: if False, m is not projected (ablation).
+
+  >>> import jax, jax.numpy as jnp, stiefel_optax as so
+  >>> w = so.random_frames(jax.random.key(0), (2, 8, 3))
+  >>> g = so.project_tangent(w, jax.random.normal(jax.random.key(1), w.shape))
+  >>> tx = so.scale_by_frame_adam()
+  >>> state = tx.init(w)
+  >>> u, state = tx.update(g, state, w)
+  >>> state.nu.shape                     # one second moment per frame
+  (2,)
+
+  >>> u2, _ = tx.update(1e3 * g, tx.init(w), w)   # scale-free (up to eps)
+  >>> bool(jnp.allclose(u, u2, atol=1e-5))
+  True
   """
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
@@ -215,6 +324,13 @@ def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
   Applied after the learning rate, so it caps the actual step. It bounds the
   spectrum of (W + xi)^T (W + xi) = I + xi^T xi within [1, 1 + max_norm^2].
   `max_norm` may be an array, traced under jit (`optax.inject_hyperparams`).
+
+  >>> import jax.numpy as jnp, stiefel_optax as so
+  >>> tx = so.clip_frame_norm(0.1)
+  >>> u, _ = tx.update(jnp.ones((2, 4, 1)), tx.init(jnp.eye(4, 1)[None].repeat(2, 0)),
+  ...                  jnp.eye(4, 1)[None].repeat(2, 0))
+  >>> so.geometry.frame_norm(u)
+  Array([0.1, 0.1], dtype=float32)
   """
   value = static_float(max_norm)
   if value is not None and not value > 0:
@@ -268,6 +384,14 @@ def retract_polar(method: str = "newton_schulz", *,
       before it): the fixed count then uses the bound for any step and needs
       max_step_norm < 1; with max_step_norm=None the M-scaled iteration
       runs directly.
+
+  >>> import jax, optax, stiefel_optax as so
+  >>> w = so.random_frames(jax.random.key(0), (8, 3))
+  >>> xi = 0.3 * so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+  >>> tx = so.retract_polar()
+  >>> u, _ = tx.update(xi, tx.init(w), w)
+  >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)
+  True
   """
   if method not in geometry.RETRACTIONS:
     raise ValueError(

@@ -66,7 +66,13 @@ def _frame_perm(spec: FrameSpec, ndim: int, name: str):
 
 def split(x: jax.Array, spec: FrameSpec, name: str = "leaf"):
   """(frames, rest): the frame view (batch..., d, r) of the parts `spec`
-  takes, and the other parts (None when every part is a frame)."""
+  takes, and the other parts (None when every part is a frame).
+
+  >>> import jax.numpy as jnp, stiefel_optax as so
+  >>> frames, rest = so.split(jnp.zeros((16, 48)), so.fused_qkv(2))
+  >>> frames.shape, rest.shape          # q and k heads; the v third as is
+  ((2, 2, 16, 8), (16, 16))
+  """
   view = spec.frame_shape(x.shape, name)
   _, _, _, part = spec.axes(x.ndim, name)
   rest = None
@@ -87,12 +93,24 @@ def split(x: jax.Array, spec: FrameSpec, name: str = "leaf"):
 
 
 def to_frames(x: jax.Array, spec: FrameSpec, name: str = "leaf") -> jax.Array:
-  """The frame view (batch..., d, r) of a leaf (its taken parts only)."""
+  """The frame view (batch..., d, r) of a leaf (its taken parts only).
+
+  >>> import jax.numpy as jnp, stiefel_optax as so
+  >>> so.to_frames(jnp.zeros((16, 2, 4)), so.FrameSpec(rows=0, cols=2)).shape
+  (2, 16, 4)
+  """
   return split(x, spec, name)[0]
 
 
 def merge(frames: jax.Array, rest, spec: FrameSpec, shape) -> jax.Array:
-  """Inverse of `split` for a leaf of `shape`."""
+  """Inverse of `split` for a leaf of `shape`.
+
+  >>> import jax.numpy as jnp, stiefel_optax as so
+  >>> x = jnp.arange(16.0 * 48).reshape(16, 48)
+  >>> spec = so.fused_qkv(2)
+  >>> bool((so.merge(*so.split(x, spec), spec, x.shape) == x).all())
+  True
+  """
   shape = tuple(shape)
   ndim = len(shape)
   _, _, _, part = spec.axes(ndim)
@@ -121,7 +139,13 @@ def merge(frames: jax.Array, rest, spec: FrameSpec, shape) -> jax.Array:
 
 def from_frames(frames: jax.Array, spec: FrameSpec, shape, rest=None):
   """Inverse of `to_frames`; `rest` supplies the parts that are not frames
-  (zeros where None, as for an update that only moves frames)."""
+  (zeros where None, as for an update that only moves frames).
+
+  >>> import jax.numpy as jnp, stiefel_optax as so
+  >>> spec = so.FrameSpec(rows=0, cols=2)
+  >>> so.from_frames(jnp.ones((2, 16, 4)), spec, (16, 2, 4)).shape
+  (16, 2, 4)
+  """
   _, _, _, part = spec.axes(len(shape))
   if part is not None and rest is None and len(spec.take) < spec.parts:
     sub = list(spec.part_shape(shape))

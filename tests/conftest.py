@@ -34,9 +34,21 @@ def record(name: str, value) -> float:
 
 
 @pytest.fixture
-def certificate():
-  """The `record(name, value)` function."""
-  return record
+def certificate(request):
+  """The `record(name, value)` function; the value also travels with the
+  test's report, so that the summary holds it when pytest-xdist runs the
+  test in a worker process."""
+  def rec(name, value):
+    value = record(name, value)
+    request.node.user_properties.append((f"certificate:{name}", value))
+    return value
+  return rec
+
+
+def pytest_runtest_logreport(report):
+  for key, value in getattr(report, "user_properties", ()):
+    if isinstance(key, str) and key.startswith("certificate:"):
+      record(key[len("certificate:"):], value)
 
 
 def pytest_terminal_summary(terminalreporter):

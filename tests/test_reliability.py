@@ -319,7 +319,10 @@ def test_low_precision_geometry_runs_in_float32():
   up = lambda x: x.astype(jnp.float32)
   for low in (jnp.bfloat16, jnp.float16):
     w = w32.astype(low)
-    for tx, g in ((so.project_to_tangent(), g32), (so.scale_by_frame_adam(), g32),
+    # (The upcast bf16 frames are off by bf16's rounding, which a float32
+    # start check would name; the check is not what this test is about.)
+    for tx, g in ((so.project_to_tangent("project"), g32),
+                  (so.scale_by_frame_adam(), g32),
                   (so.clip_frame_norm(0.1), xi32), (so.retract_polar(), xi32)):
       g = g.astype(low)
       state = tx.init(w)

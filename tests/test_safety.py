@@ -277,7 +277,9 @@ def test_mismatched_shapes_raise_naming_both(shapes):
     names_both(info, "gram", frame, other)
   for name, tx in (("project_to_tangent", so.project_to_tangent()),
                    ("retract_polar", so.retract_polar())):
-    params = {"attn": {"query": w}}
+    # Orthonormal frames, so that init's start check passes.
+    params = {"attn": {"query": np.broadcast_to(
+        np.eye(frame[-2], frame[-1], dtype=np.float32), frame)}}
     with pytest.raises(ValueError) as info:
       tx.update({"attn": {"query": g}}, tx.init(params), params)
     names_both(info, name, frame, other)
