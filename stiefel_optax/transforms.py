@@ -35,7 +35,16 @@ def _check_leaf(path, leaf, name: str):
     raise ValueError(
         f"{where} with shape {tuple(leaf.shape)} has dtype {leaf.dtype}; a"
         " Stiefel frame must be floating point.")
-  geometry.check_frame_shape(leaf.shape, where)
+  try:
+    geometry.check_frame_shape(leaf.shape, where)
+  except ValueError as err:
+    if leaf.ndim >= 3:
+      raise ValueError(
+          f"{err} Its last two axes are taken as the frames (d, r); if this"
+          " is a (d, heads, head_dim) kernel, train it through"
+          " stiefel_optax.stiefel_attention(..., frames=...) or"
+          " frame_partition(tx, None, frames=FrameSpec(rows=0, cols=2)).")
+    raise
 
 
 def check_update_shapes(updates, params, name: str) -> None:
@@ -110,12 +119,13 @@ def start_tolerance(dtype, r: int) -> float:
 
 
 def check_start(name: str, frames, orthonormal_start: str = "check",
-                fix: str = "") -> None:
+                fix: str = "", hint: str = "") -> None:
   """Raises ValueError, starting with `name`, when frames (..., d, r) hold a
   rank-deficient frame, or (orthonormal_start="check") one that is not
   orthonormal to `start_tolerance`. Skipped for traced frames (init under
   jit): the retraction then keeps them finite and lands them on the
-  manifold. `fix` ends the not-orthonormal message (how to orthonormalize).
+  manifold. `fix` ends the not-orthonormal message (how to orthonormalize),
+  `hint` both messages.
   """
   if not is_concrete(frames):
     return
@@ -130,7 +140,7 @@ def check_start(name: str, frames, orthonormal_start: str = "check",
         f" {np.sqrt(max(float(lo[idx]), 0.0)):.3g}, largest"
         f" {np.sqrt(max(float(hi[idx]), 0.0)):.3g}), so no orthonormal frame"
         " is near it. Reinitialise it (e.g. stiefel_optax.random_frames)"
-        " before training.")
+        f" before training.{hint}")
   tol = start_tolerance(frames.dtype, r)
   if orthonormal_start == "check" and not iso.max() <= tol:
     idx = tuple(int(i) for i in np.unravel_index(iso.argmax(), iso.shape))
@@ -138,7 +148,7 @@ def check_start(name: str, frames, orthonormal_start: str = "check",
         f"{name}: not orthonormal (isometry error ||W^T W - I||_F ="
         f" {float(iso.max()):.3g} at frame {idx}, tolerance {tol:.3g}). {fix}"
         "Or pass orthonormal_start='project' to retract the first step onto"
-        " the manifold (this changes the model's function at that step).")
+        f" the manifold (this changes the model's function at that step).{hint}")
 
 
 # --------------------------------------------------------------------------
@@ -181,9 +191,8 @@ def project_to_tangent(orthonormal_start: str = "check"
                 "..., frames=...) or frame_partition(tx, None,"
                 " frames=FrameSpec(rows=0, cols=2)).")
       check_start(f"{name} (shape {tuple(w.shape)})", w, orthonormal_start,
-                  fix=hint[1:] + " Otherwise orthonormalize it first"
-                  " (stiefel_optax.polar(w)). " if hint else
-                  "Orthonormalize it first (stiefel_optax.polar(w)). ")
+                  fix="Orthonormalize it first (stiefel_optax.polar(w)). ",
+                  hint=hint)
 
     jax.tree_util.tree_map_with_path(check, params)
     return optax.EmptyState()
