@@ -232,24 +232,21 @@ def _shape_error(path, shape, preset, wanted):
       " leaf's row and column axes.")
 
 
-def _flax(path, leaf):
-  if re.search(QK_KERNEL, path):
+def _qk_kernels(spec: FrameSpec, preset: str, wanted: str):
+  """The preset that gives `spec` to rank-3/4 .../query|key/kernel leaves."""
+  def select(path, leaf):
+    if not re.search(QK_KERNEL, path):
+      return None
     if leaf.ndim in (3, 4):
-      return FLAX
-    raise _shape_error(path, leaf.shape, "flax",
-                       "(d, heads, head_dim) or nn.scan's (layers, d, heads,"
-                       " head_dim)")
-  return None
+      return spec
+    raise _shape_error(path, leaf.shape, preset, wanted)
+  return select
 
 
-def _maxtext(path, leaf):
-  if re.search(QK_KERNEL, path):
-    if leaf.ndim in (3, 4):
-      return MAXTEXT
-    raise _shape_error(path, leaf.shape, "maxtext",
-                       "(embed, heads, head_dim) or scanned (embed, layers,"
-                       " heads, head_dim)")
-  return None
+_flax = _qk_kernels(FLAX, "flax", "(d, heads, head_dim) or nn.scan's"
+                    " (layers, d, heads, head_dim)")
+_maxtext = _qk_kernels(MAXTEXT, "maxtext", "(embed, heads, head_dim) or"
+                       " scanned (embed, layers, heads, head_dim)")
 
 
 def _gemma(path, leaf):
