@@ -1,0 +1,1049 @@
+"""Character-level language model on tiny Shakespeare: nanoGPT in Flax, the
+Stiefel attention optimizer and its alternatives as arms.
+
+    python -m benchmarks.lm                  # the external reference: AdamW,
+                                             # nanoGPT's small CPU config, seed 0
+    python -m benchmarks.lm --probe 100      # time 100 steps, print the
+                                             # projected wall time, then run
+    python -m benchmarks.lm --arms stiefel --seeds 100 --max-iters 500 \\
+        --stiefel-learning-rate 0.03,0.1 --max-step-norm 0.1
+                                             # a sweep (--max-iters sets
+                                             # lr_decay_iters too)
+    python -m benchmarks.lm --arms adamw,stiefel --seeds 0-2 \\
+        --stiefel-learning-rate 0.3 --max-step-norm 0.3   # paired seeds
+    python -m benchmarks.lm --quick          # toy size, 2 arms, well under 60 s
+    python -m benchmarks.lm --report-only --out benchmarks/results/lm \\
+        --results-md benchmarks/RESULTS.md   # the committed tables and section
+
+Model (one definition, `GPT`): nanoGPT's `model.py` with its
+`train_shakespeare_char` settings: token and learned position embeddings,
+pre-LayerNorm blocks (LayerNorm without bias, eps 1e-5; nanoGPT's default
+bias=False, so no Dense has a bias either), causal self-attention through a
+fused `c_attn` Dense (d, 3 d) whose column thirds are q, k and v, each
+head-major (nanoGPT's `.view(B, T, n_head, head_dim)`), `c_proj`, a GELU
+(exact) MLP of width 4 d, a final LayerNorm, and the head tied to the token
+embedding (nanoGPT ties them: `wte.weight = lm_head.weight`). Initialisation
+as nanoGPT: N(0, 0.02) for every kernel and embedding, N(0, 0.02 /
+sqrt(2 n_layer)) for both `c_proj`s. Dropout (nanoGPT's places: embeddings,
+attention probabilities, both residual branches) is 0 at the CPU config.
+One architecture flag, `qk_norm` (the `qk_norm` arm): RMSNorm, with a
+learned per-channel scale, on each head's queries and keys (Gemma 3, OLMo 2).
+
+Data: `--data` (default ../shared/data/tinyshakespeare.txt from the
+repository root), its md5 checked against the published corpus's and
+recorded (never its path); characters sorted into a 65-symbol vocabulary,
+first 90 % for training, last 10 % for validation (nanoGPT's prepare.py).
+Batches as nanoGPT's get_batch: `batch_size` random offsets, seeded by the
+run's seed and the step, the same for every arm of a seed.
+
+Training (nanoGPT's train.py): AdamW (b1 0.9, b2 0.99, eps 1e-8), weight
+decay 0.1 on every parameter of rank >= 2, which in nanoGPT includes the
+token and position embeddings, none on the LayerNorm (and qk-norm) scales;
+learning rate warmed up linearly for `warmup_iters` (100, as the
+shakespeare_char config that nanoGPT's CPU command starts from) and
+cosine-decayed to `min_lr` at `lr_decay_iters`; the gradient clipped to
+global norm 1.0. `max_iters` steps, jitted, `lax.scan` over chunks of
+`eval_interval` steps. Evaluation as nanoGPT's estimate_loss at every
+`eval_interval` (and at 0): the mean loss of `eval_iters` random batches of
+each split (20, as nanoGPT's CPU command), drawn from a key of the seed and
+the step (the same batches for every arm of a seed); at the end also the
+loss over every token of the validation split in non-overlapping windows
+of `block_size` (`val_loss_full`, the comparisons' measure).
+
+Arms (the same data, batches, evaluation batches and initial weights
+outside the Q/K parts; each a recipe of library pieces):
+
+  adamw            nanoGPT's AdamW on everything.
+  stiefel          `stiefel_attention` with frames={"c_attn/kernel$":
+                   fused_qkv(n_head)}: each head's q and k (d, head_dim)
+                   frames on Stiefel-Adam (peak lr `stiefel_learning_rate`,
+                   trust region `max_step_norm`) from an orthonormalised
+                   start, the v third and everything else on AdamW.
+  rsgd             the same frames on `riemannian_sgd(rsgd_learning_rate)`.
+  stiefel_muon     the same frames on `stiefel_muon(stiefel_muon_learning_rate)`.
+  muon             `optax.contrib.muon` on the same per-head q and k views,
+                   unconstrained (see `make_optimizer`), from nanoGPT's init.
+  qk_norm          AdamW, model with `qk_norm` on.
+  orthogonal_init  the orthonormalised Q/K start of `stiefel`, then AdamW.
+
+Every group's learning rate follows the same warmup + cosine shape, its own
+peak decayed to peak * min_lr / learning_rate. Gradient clipping is the
+same for every arm: the global norm of the whole gradient is clipped to
+`grad_clip` before any optimizer sees it (Stiefel-Adam and both Muons are
+invariant to the gradient's scale; RSGD and AdamW are not).
+
+Runs are saved per (arm, seed, configuration) under <out>/runs/, with a
+checkpoint while training, so a stopped study resumes; a saved run is reused
+only under the same identity (`benchmarks.harness`: the configuration's
+content, the corpus's md5 and the library version). Output goes to
+runs/lm/ (ignored by git) unless `--out` names a folder (the committed
+reference runs: benchmarks/results/lm). The report (table.md, results.json)
+is generated from every run in the folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import itertools
+import math
+import pathlib
+import sys
+import time
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import stiefel_optax as so
+from benchmarks import harness, stats
+
+SECTION = "## Language model"
+REFERENCE_DIR = harness.REFERENCE_ROOT / "lm"
+DEFAULT_DATA = pathlib.Path("..") / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS_MD5 = "6fb458f1232090904fb40fe944165e91"
+ARMS = ("adamw", "stiefel", "rsgd", "stiefel_muon", "muon", "qk_norm",
+        "orthogonal_init")
+# Arms whose Q/K parts start orthonormal (the polar factor of nanoGPT's init).
+ORTHONORMAL_START = ("stiefel", "rsgd", "stiefel_muon", "orthogonal_init")
+# Fields that only one arm reads: kept out of the other arms' identity, so
+# tuning one arm never invalidates another's runs.
+ARM_FIELDS = {"stiefel": ("stiefel_learning_rate", "max_step_norm"),
+              "rsgd": ("rsgd_learning_rate",),
+              "stiefel_muon": ("stiefel_muon_learning_rate",),
+              "muon": ("muon_learning_rate",)}
+TOLERANCE = 0.05   # |ours - published| accepted for the reference check
+# Passed to jax.jit of the training and evaluation functions (tests set
+# {"xla_backend_optimization_level": 0}: toy sizes compile faster).
+COMPILER_OPTIONS: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything that determines a run but its seed (nanoGPT's names)."""
+  arm: str = "adamw"
+  n_layer: int = 4
+  n_head: int = 4
+  n_embd: int = 128
+  block_size: int = 64
+  batch_size: int = 12
+  dropout: float = 0.0
+  max_iters: int = 2000
+  lr_decay_iters: int = 2000
+  warmup_iters: int = 100
+  learning_rate: float = 1e-3
+  min_lr: float = 1e-4
+  beta1: float = 0.9
+  beta2: float = 0.99
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+  eval_interval: int = 250
+  eval_iters: int = 20
+  # Stiefel Q/K peak lr and trust region: chosen on validation (seed 100,
+  # 500 iters) from (0.03, 0.1), (0.1, 0.1), (0.3, 0.3), (1, 1).
+  stiefel_learning_rate: float = 0.3
+  max_step_norm: float = 0.3
+  rsgd_learning_rate: float = 0.1
+  stiefel_muon_learning_rate: float = 0.01
+  muon_learning_rate: float = 1e-3
+
+
+# nanoGPT's published character-level Shakespeare runs (README): the small
+# CPU command and the shakespeare_char (GPU) config, with their val losses.
+# GPU: evaluated every 500 iterations (nanoGPT: 250) with nanoGPT's 200
+# batches, to leave time for more seeds on one GPU.
+CPU = Config()
+GPU = Config(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64,
+             dropout=0.2, max_iters=5000, lr_decay_iters=5000,
+             eval_interval=500, eval_iters=200)
+QUICK = Config(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8,
+               max_iters=30, lr_decay_iters=30, warmup_iters=5,
+               eval_interval=10, eval_iters=4)
+PRESETS = {"cpu": CPU, "gpu": GPU, "quick": QUICK}
+PUBLISHED = {"cpu": 1.88, "gpu": 1.4697}
+MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
+                "dropout", "max_iters", "lr_decay_iters", "warmup_iters",
+                "learning_rate", "min_lr", "beta1", "beta2", "weight_decay",
+                "grad_clip")
+
+
+def identity_config(cfg: Config) -> dict:
+  """The configuration as a run's identity sees it: without the fields of
+  the other arms."""
+  others = {f for arm, fs in ARM_FIELDS.items() if arm != cfg.arm for f in fs}
+  return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in others}
+
+
+def preset_of(cfg: Config) -> Optional[str]:
+  """'cpu' / 'gpu' when cfg is that published AdamW setting (whatever its
+  evaluation cadence), else None."""
+  for name, ref in PRESETS.items():
+    if name in PUBLISHED and all(getattr(cfg, f) == getattr(ref, f)
+                                 for f in MODEL_FIELDS):
+      return name
+  return None
+
+
+# --------------------------------------------------------------------------
+# Data.
+
+
+def default_data() -> pathlib.Path:
+  return (harness.REPO / DEFAULT_DATA).resolve()
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+  train: np.ndarray   # int32 token ids
+  val: np.ndarray
+  vocab_size: int
+  md5: str
+
+  @property
+  def data_id(self) -> str:
+    return f"tinyshakespeare:md5={self.md5}"
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(path: str) -> Corpus:
+  """The corpus at `path`: vocabulary of its sorted characters, 90/10 split
+  (nanoGPT's prepare.py). Warns if it is not the published corpus."""
+  raw = pathlib.Path(path).read_bytes()
+  md5 = hashlib.md5(raw).hexdigest()
+  if md5 != CORPUS_MD5:
+    print(f"warning: {pathlib.Path(path).name} has md5 {md5}, not tiny"
+          f" Shakespeare's {CORPUS_MD5}; the published references do not"
+          " apply.", file=sys.stderr)
+  text = raw.decode("utf-8")
+  chars = sorted(set(text))
+  stoi = {c: i for i, c in enumerate(chars)}
+  ids = np.array([stoi[c] for c in text], dtype=np.int32)
+  n = int(len(ids) * 0.9)
+  return Corpus(ids[:n], ids[n:], len(chars), md5)
+
+
+def get_batch(data: jax.Array, key: jax.Array, batch_size: int,
+              block_size: int):
+  """nanoGPT's get_batch: `batch_size` random windows and their shifts."""
+  ix = jax.random.randint(key, (batch_size,), 0, data.shape[0] - block_size)
+  window = lambda i: jax.lax.dynamic_slice(data, (i,), (block_size + 1,))
+  w = jax.vmap(window)(ix)
+  return w[:, :-1], w[:, 1:]
+
+
+# --------------------------------------------------------------------------
+# Model.
+
+
+class CausalSelfAttention(nn.Module):
+  n_head: int
+  n_layer: int
+  dropout: float = 0.0
+  qk_norm: bool = False
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True):
+    b, t, c = x.shape
+    hd = c // self.n_head
+    qkv = nn.Dense(3 * c, use_bias=False, name="c_attn",
+                   kernel_init=nn.initializers.normal(0.02))(x)
+    q, k, v = (a.reshape(b, t, self.n_head, hd)
+               for a in jnp.split(qkv, 3, axis=-1))
+    if self.qk_norm:
+      q = nn.RMSNorm(epsilon=1e-6, name="q_norm")(q)
+      k = nn.RMSNorm(epsilon=1e-6, name="k_norm")(k)
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    att = jnp.where(causal, att, jnp.finfo(att.dtype).min)
+    att = nn.Dropout(self.dropout)(jax.nn.softmax(att, axis=-1),
+                                   deterministic=deterministic)
+    y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, c)
+    y = nn.Dense(c, use_bias=False, name="c_proj", kernel_init=(
+        nn.initializers.normal(0.02 / math.sqrt(2 * self.n_layer))))(y)
+    return nn.Dropout(self.dropout)(y, deterministic=deterministic)
+
+
+class Block(nn.Module):
+  n_head: int
+  n_layer: int
+  dropout: float = 0.0
+  qk_norm: bool = False
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True):
+    c = x.shape[-1]
+    ln = lambda name: nn.LayerNorm(epsilon=1e-5, use_bias=False, name=name)
+    x = x + CausalSelfAttention(self.n_head, self.n_layer, self.dropout,
+                                self.qk_norm, name="attn")(
+                                    ln("ln_1")(x), deterministic)
+    h = nn.Dense(4 * c, use_bias=False, name="c_fc",
+                 kernel_init=nn.initializers.normal(0.02))(ln("ln_2")(x))
+    h = nn.Dense(c, use_bias=False, name="c_proj", kernel_init=(
+        nn.initializers.normal(0.02 / math.sqrt(2 * self.n_layer))))(
+            nn.gelu(h, approximate=False))
+    return x + nn.Dropout(self.dropout)(h, deterministic=deterministic)
+
+
+class GPT(nn.Module):
+  """nanoGPT's GPT: logits (batch, time, vocab), head tied to `wte`."""
+  vocab_size: int
+  block_size: int
+  n_layer: int
+  n_head: int
+  n_embd: int
+  dropout: float = 0.0
+  qk_norm: bool = False
+
+  @nn.compact
+  def __call__(self, idx, deterministic: bool = True):
+    t = idx.shape[-1]
+    if t > self.block_size:
+      raise ValueError(f"sequence of {t} > block_size {self.block_size}")
+    init = nn.initializers.normal(0.02)
+    wte = nn.Embed(self.vocab_size, self.n_embd, embedding_init=init,
+                   name="wte")
+    wpe = nn.Embed(self.block_size, self.n_embd, embedding_init=init,
+                   name="wpe")
+    x = wte(idx) + wpe(jnp.arange(t))
+    x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+    for i in range(self.n_layer):
+      x = Block(self.n_head, self.n_layer, self.dropout, self.qk_norm,
+                name=f"h_{i}")(x, deterministic)
+    x = nn.LayerNorm(epsilon=1e-5, use_bias=False, name="ln_f")(x)
+    return wte.attend(x)
+
+
+def make_model(cfg: Config, vocab_size: int) -> GPT:
+  return GPT(vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd,
+             cfg.dropout, qk_norm=cfg.arm == "qk_norm")
+
+
+def frames(cfg: Config) -> dict:
+  """The frame selector of the fused kernel: q and k thirds, per head."""
+  return {r"c_attn/kernel$": so.fused_qkv(cfg.n_head)}
+
+
+def initial_params(cfg: Config, vocab_size: int, seed: int):
+  """nanoGPT's initialisation from the seed (the same for every arm); the
+  orthonormal-start arms replace each head's q and k by its polar factor."""
+  model = make_model(cfg, vocab_size)
+  x = jnp.zeros((1, cfg.block_size), jnp.int32)
+  params = model.init(jax.random.fold_in(jax.random.PRNGKey(seed), 0),
+                      x)["params"]
+  if cfg.arm in ORTHONORMAL_START:
+    params = so.orthonormalize(params, frames(cfg))
+  return params
+
+
+def n_params(params) -> int:
+  return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+def loss_fn(model: GPT, params, x, y, dropout_key=None):
+  rngs = None if dropout_key is None else {"dropout": dropout_key}
+  logits = model.apply({"params": params}, x,
+                       deterministic=dropout_key is None, rngs=rngs)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+# --------------------------------------------------------------------------
+# Optimizers.
+
+
+def lr_schedule(cfg: Config, peak: float) -> optax.Schedule:
+  """nanoGPT's get_lr with peak `peak` and floor peak * min_lr / lr:
+  linear warmup peak (it + 1) / (warmup + 1), cosine to the floor at
+  lr_decay_iters, the floor after."""
+  floor = peak * cfg.min_lr / cfg.learning_rate
+
+  def lr(it):
+    it = jnp.asarray(it, jnp.float32)
+    warm = peak * (it + 1) / (cfg.warmup_iters + 1)
+    ratio = jnp.clip((it - cfg.warmup_iters)
+                     / max(cfg.lr_decay_iters - cfg.warmup_iters, 1), 0, 1)
+    cos = floor + 0.5 * (1 + jnp.cos(jnp.pi * ratio)) * (peak - floor)
+    return jnp.where(it < cfg.warmup_iters, warm,
+                     jnp.where(it > cfg.lr_decay_iters, floor, cos))
+
+  return lr
+
+
+def decay_mask(params):
+  """nanoGPT's configure_optimizers: decay every parameter of rank >= 2
+  (kernels and both embeddings), not the LayerNorm / RMSNorm scales."""
+  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def nanogpt_adamw(cfg: Config) -> optax.GradientTransformation:
+  return optax.adamw(lr_schedule(cfg, cfg.learning_rate), cfg.beta1,
+                     cfg.beta2, eps=1e-8, weight_decay=cfg.weight_decay,
+                     mask=decay_mask)
+
+
+def muon_dims(params):
+  """Per-head q/k views (batch..., d, head_dim): rows reduce, columns out."""
+  return jax.tree.map(
+      lambda _: optax.contrib.MuonDimensionNumbers(reduction_axis=-2,
+                                                   output_axis=-1), params)
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+  """The arm's optimizer, after one global-norm clip of the whole gradient.
+
+  `muon`: optax.contrib.muon's dimension numbers address whole axes of a
+  leaf, not the q and k thirds of a fused (d, 3 d) kernel split per head;
+  `so.frame_partition` hands it exactly those views, (2, n_head, d,
+  head_dim) per layer, the same per-head matrices the Stiefel arms train,
+  and maps its update back into the fused kernel (the v third and every
+  other weight on nanoGPT's AdamW). Muon sees each head's W_q (d, head_dim)
+  as a matrix x W = y, as it would with separate q/k kernels. It runs
+  unconstrained (orthonormal_start='project' only skips the start check;
+  Muon has no retraction), with Moonlight's consistent-RMS scaling 0.2 (so
+  its lr reads like AdamW's), Nesterov momentum 0.95 and weight decay
+  `weight_decay`, as AdamW decays those weights.
+  """
+  adamw = nanogpt_adamw(cfg)
+  sched = functools.partial(lr_schedule, cfg)
+  sel = frames(cfg)
+  if cfg.arm in ("adamw", "qk_norm", "orthogonal_init"):
+    tx = adamw
+  elif cfg.arm == "stiefel":
+    tx = so.stiefel_attention(
+        sched(cfg.learning_rate), frames=sel,
+        stiefel_learning_rate=sched(cfg.stiefel_learning_rate),
+        b1=cfg.beta1, b2=cfg.beta2, max_step_norm=cfg.max_step_norm,
+        euclidean_tx=adamw)
+  elif cfg.arm == "rsgd":
+    tx = so.stiefel_attention(
+        sched(cfg.learning_rate), frames=sel,
+        stiefel_tx=so.riemannian_sgd(sched(cfg.rsgd_learning_rate)),
+        euclidean_tx=adamw)
+  elif cfg.arm == "stiefel_muon":
+    tx = so.stiefel_attention(
+        sched(cfg.learning_rate), frames=sel,
+        stiefel_tx=so.stiefel_muon(sched(cfg.stiefel_muon_learning_rate)),
+        euclidean_tx=adamw)
+  elif cfg.arm == "muon":
+    muon = optax.contrib.muon(
+        sched(cfg.muon_learning_rate), beta=0.95, nesterov=True,
+        weight_decay=cfg.weight_decay, consistent_rms=0.2,
+        muon_weight_dimension_numbers=muon_dims)
+    tx = so.frame_partition(muon, adamw, sel, orthonormal_start="project")
+  else:
+    raise ValueError(f"arm must be one of {ARMS}; got {cfg.arm!r}.")
+  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+
+
+# --------------------------------------------------------------------------
+# Training and evaluation (jitted; lax.scan over chunks of steps).
+
+
+def keys(seed: int):
+  """(batch, dropout, eval) root keys of a seed; per step: fold_in(step)."""
+  root = jax.random.PRNGKey(seed)
+  return tuple(jax.random.fold_in(root, i) for i in (1, 2, 3))
+
+
+@functools.lru_cache(maxsize=None)
+def chunk_fn(cfg: Config, vocab_size: int):
+  """jit(carry, start, train, seed keys) -> (carry, mean train loss) over
+  `eval_interval` steps."""
+  model, tx = make_model(cfg, vocab_size), make_optimizer(cfg)
+
+  def step(carry, it, data, batch_key, drop_key):
+    params, opt_state = carry
+    x, y = get_batch(data, jax.random.fold_in(batch_key, it), cfg.batch_size,
+                     cfg.block_size)
+    dk = jax.random.fold_in(drop_key, it) if cfg.dropout > 0 else None
+    loss, grads = jax.value_and_grad(
+        lambda p: loss_fn(model, p, x, y, dk))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  def chunk(carry, start, data, batch_key, drop_key):
+    its = start + jnp.arange(cfg.eval_interval)
+    carry, losses = jax.lax.scan(
+        lambda c, it: step(c, it, data, batch_key, drop_key), carry, its)
+    return carry, losses.mean()
+
+  return jax.jit(chunk, donate_argnums=0,
+                 compiler_options=COMPILER_OPTIONS or None)
+
+
+@functools.lru_cache(maxsize=None)
+def estimate_fn(cfg: Config, vocab_size: int):
+  """jit(params, train, val, eval key, step) -> nanoGPT's estimate_loss:
+  mean loss of eval_iters random batches of each split, and the isometry
+  error of the Q/K frames (mean over every head)."""
+  model = make_model(cfg, vocab_size)
+
+  def split_loss(params, data, key):
+    def one(k):
+      return loss_fn(model, params, *get_batch(data, k, cfg.batch_size,
+                                               cfg.block_size))
+    return jax.lax.map(one, jax.random.split(key, cfg.eval_iters)).mean()
+
+  def estimate(params, train, val, key, it):
+    key = jax.random.fold_in(key, it)
+    iso = so.frame_isometry_errors(params, frames(cfg))
+    return dict(train_loss=split_loss(params, train, jax.random.fold_in(key, 0)),
+                val_loss=split_loss(params, val, jax.random.fold_in(key, 1)),
+                qk_iso=jnp.mean(jnp.concatenate(
+                    [e.ravel() for e in iso.values()])))
+
+  return jax.jit(estimate, compiler_options=COMPILER_OPTIONS or None)
+
+
+@functools.lru_cache(maxsize=None)
+def full_loss_fn(cfg: Config, vocab_size: int, batch: int = 64):
+  """jit(params, tokens) -> mean loss over every next-token prediction in
+  the non-overlapping windows of block_size (tokens beyond the last full
+  window dropped)."""
+  model = make_model(cfg, vocab_size)
+
+  def full(params, tokens):
+    n = (tokens.shape[0] - 1) // cfg.block_size
+    idx = jnp.arange(n * cfg.block_size)
+    x = tokens[idx].reshape(n, cfg.block_size)
+    y = tokens[idx + 1].reshape(n, cfg.block_size)
+    pad = -n % batch
+    x = jnp.concatenate([x, jnp.zeros((pad, cfg.block_size), x.dtype)])
+    y = jnp.concatenate([y, jnp.zeros((pad, cfg.block_size), y.dtype)])
+    w = (jnp.arange(n + pad) < n).astype(jnp.float32)
+
+    def one(args):
+      xb, yb, wb = args
+      logits = model.apply({"params": params}, xb)
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
+      return (ce.mean(-1) * wb).sum()
+
+    shape = lambda a: a.reshape((-1, batch) + a.shape[1:])
+    return jax.lax.map(one, (shape(x), shape(y), shape(w))).sum() / n
+
+  return jax.jit(full, compiler_options=COMPILER_OPTIONS or None)
+
+
+# --------------------------------------------------------------------------
+# One run, saved and resumable.
+
+
+def run_name(cfg: Config, seed: int, data_id: str) -> str:
+  """<arm>_seed<seed>_<hash of the configuration and data>."""
+  return f"{cfg.arm}_seed{seed}_{harness.digest([identity_config(cfg), data_id], 8)}"
+
+
+def save_checkpoint(path: pathlib.Path, carry) -> None:
+  leaves = [np.asarray(x) for x in jax.tree.leaves(carry)]
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = harness.temp_path(path)
+  np.savez(tmp, *leaves)
+  tmp.replace(path)
+
+
+def load_checkpoint(path: pathlib.Path, like):
+  with np.load(path) as f:
+    leaves = [jnp.asarray(f[f"arr_{i}"]) for i in range(len(f.files))]
+  return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def check_config(cfg: Config) -> None:
+  if cfg.arm not in ARMS:
+    raise SystemExit(f"arm must be one of {', '.join(ARMS)}; got {cfg.arm!r}.")
+  if cfg.max_iters % cfg.eval_interval:
+    raise SystemExit(f"max_iters = {cfg.max_iters} must be a multiple of"
+                     f" eval_interval = {cfg.eval_interval}.")
+  if cfg.n_embd % cfg.n_head:
+    raise SystemExit(f"n_embd = {cfg.n_embd} is not divisible by n_head ="
+                     f" {cfg.n_head}.")
+
+
+def train_run(cfg: Config, seed: int, corpus: Corpus,
+              out: Optional[pathlib.Path] = None, *, command: str = "",
+              save_every_s: float = 60.0, log=print,
+              max_iters: Optional[int] = None) -> dict:
+  """Trains (cfg, seed) to cfg.max_iters (or, not saved, to `max_iters`: a
+  timing probe), resuming from out's saved run of the same identity; a
+  finished saved run is returned as it is."""
+  check_config(cfg)
+  ident = harness.identity(identity_config(cfg), corpus.data_id)
+  name = run_name(cfg, seed, corpus.data_id)
+  store = harness.RunStore(out) if out is not None and max_iters is None \
+      else None
+  saved = store.load(name, ident) if store is not None else None
+  if saved is not None and saved.get("final") is not None:
+    return saved
+  stop = cfg.max_iters if max_iters is None else max_iters
+  ckpt = store.path(name, ".npz") if store is not None else None
+  train, val = jnp.asarray(corpus.train), jnp.asarray(corpus.val)
+  bkey, dkey, ekey = keys(seed)
+  params = initial_params(cfg, corpus.vocab_size, seed)
+  carry = (params, make_optimizer(cfg).init(params))
+  run = dict(name=name, arm=cfg.arm, seed=seed, block=harness.seed_block(seed),
+             config=identity_config(cfg), identity=ident, data=corpus.data_id,
+             library_version=harness.library_version(),
+             machine=harness.machine(), trained_by=[],
+             n_params=n_params(params), wall_s=0.0, cpu_s=0.0, final=None,
+             history={k: [] for k in ("step", "train_loss", "val_loss",
+                                      "qk_iso", "lr", "chunk_loss", "wall_s")})
+  if saved is not None and ckpt.exists():
+    run, carry = saved, load_checkpoint(ckpt, carry)
+  hist = run["history"]
+  estimate, chunk = (estimate_fn(cfg, corpus.vocab_size),
+                     chunk_fn(cfg, corpus.vocab_size))
+  lr = lr_schedule(cfg, cfg.learning_rate)
+  t0, c0, last_save = time.time(), time.process_time(), time.time()
+
+  def record(it, chunk_loss):
+    m = {k: float(v) for k, v in estimate(carry[0], train, val, ekey,
+                                          it).items()}
+    for k, v in m.items():
+      hist[k].append(v)
+    hist["step"].append(it)
+    hist["lr"].append(float(lr(max(it - 1, 0))))
+    hist["chunk_loss"].append(chunk_loss)
+    hist["wall_s"].append(round(run["wall_s"] + time.time() - t0, 2))
+    log(f"  {run['name']} step {it}: train {m['train_loss']:.4f}, val"
+        f" {m['val_loss']:.4f} ({hist['wall_s'][-1]:.0f} s)")
+
+  def timing():
+    nonlocal t0, c0
+    run["wall_s"] += time.time() - t0
+    run["cpu_s"] += time.process_time() - c0
+    t0, c0 = time.time(), time.process_time()
+
+  if not hist["step"]:
+    record(0, None)
+  done = hist["step"][-1]
+  run["trained_by"].append(dict(
+      command=command, started_utc=harness.now_utc(), from_step=done,
+      loadavg_start=harness.load_average(), code_hash=harness.code_hash()))
+  while done < stop:
+    carry, closs = chunk(carry, jnp.int32(done), train, bkey, dkey)
+    done += cfg.eval_interval
+    record(done, float(closs))
+    if store is not None and (time.time() - last_save > save_every_s
+                              or done >= stop):
+      timing()
+      last_save = time.time()
+      if done < stop:
+        save_checkpoint(ckpt, carry)
+        store.save(name, run)
+  if max_iters is None:
+    full = float(full_loss_fn(cfg, corpus.vocab_size)(carry[0], val))
+    timing()
+    run["final"] = dict(step=done, train_loss=hist["train_loss"][-1],
+                        val_loss=hist["val_loss"][-1], val_loss_full=full,
+                        qk_iso=hist["qk_iso"][-1])
+    if store is not None:
+      store.save(name, run)
+      if ckpt.exists():
+        ckpt.unlink()
+  else:
+    timing()
+  return run
+
+
+# --------------------------------------------------------------------------
+# Report: every run of a folder, grouped by configuration.
+
+
+def group_key(rec: dict) -> str:
+  return harness.digest([rec["config"], rec["data"]])
+
+
+def groups(records: Sequence[dict]) -> dict:
+  """{key: {"config", "data", "runs": {seed: rec}}} of the finished runs
+  whose identity checks, in first-seen order."""
+  out = {}
+  for r in records:
+    if r.get("final") is None or not harness.matches(r):
+      continue
+    g = out.setdefault(group_key(r), dict(config=r["config"], data=r["data"],
+                                          runs={}))
+    g["runs"][r["seed"]] = r
+  return out
+
+
+def shared(config: dict) -> dict:
+  """The configuration without the arm and the arms' own fields."""
+  arm_fields = {f for fs in ARM_FIELDS.values() for f in fs}
+  return {k: v for k, v in config.items()
+          if k != "arm" and k not in arm_fields}
+
+
+def arm_label(config: dict) -> str:
+  own = ARM_FIELDS.get(config["arm"], ())
+  short = {"stiefel_learning_rate": "lr", "max_step_norm": "cap",
+           "rsgd_learning_rate": "lr", "stiefel_muon_learning_rate": "lr",
+           "muon_learning_rate": "lr"}
+  return config["arm"] + "".join(f" {short[f]} {config[f]:g}" for f in own)
+
+
+def setting(config: dict) -> str:
+  c = config
+  name = preset_of(Config(**c))
+  return (f"{c['n_layer']}L x {c['n_head']}H x {c['n_embd']}, ctx"
+          f" {c['block_size']}, batch {c['batch_size']}, dropout"
+          f" {c['dropout']:g}, {c['max_iters']} iters (decay to"
+          f" {c['lr_decay_iters']}, warmup {c['warmup_iters']}), eval_iters"
+          f" {c['eval_iters']}" + (f"; nanoGPT's {name} config at lr 1e-3"
+                                   if name else ""))
+
+
+def lr_text(c: dict) -> str:
+  return f"{c['learning_rate']:g} -> {c['min_lr']:g}"
+
+
+def mean(xs):
+  return float(np.mean(xs)) if len(xs) else float("nan")
+
+
+def summarize(g: dict) -> dict:
+  runs = [g["runs"][s] for s in sorted(g["runs"])]
+  f = lambda k: [r["final"][k] for r in runs]
+  return dict(arm=arm_label(g["config"]), seeds=sorted(g["runs"]),
+              train_loss=mean(f("train_loss")), val_loss=mean(f("val_loss")),
+              val_loss_full=mean(f("val_loss_full")),
+              best_val_loss=mean([min(r["history"]["val_loss"]) for r in runs]),
+              val_loss_full_sd=float(np.std(f("val_loss_full"), ddof=1))
+              if len(runs) > 1 else float("nan"),
+              qk_iso=mean(f("qk_iso")), wall_s=mean([r["wall_s"] for r in runs]),
+              n_params=runs[0]["n_params"])
+
+
+LR_FIELDS = ("learning_rate", "min_lr")
+
+
+def comparisons(gs: dict) -> list:
+  """Each non-adamw group against every adamw group of the same shared
+  configuration up to the learning rate (AdamW's lr and floor; the arm's
+  Euclidean group keeps its own), paired over their common seeds
+  (val_loss_full, arm - adamw: negative favours the arm), Holm-adjusted
+  across the list."""
+  out = []
+  drop = lambda c: {k: v for k, v in shared(c).items() if k not in LR_FIELDS}
+  for key, g in gs.items():
+    if g["config"]["arm"] == "adamw":
+      continue
+    for base in gs.values():
+      if (base["config"]["arm"] != "adamw" or base["data"] != g["data"]
+          or drop(base["config"]) != drop(g["config"])):
+        continue
+      seeds = sorted(set(g["runs"]) & set(base["runs"]))
+      if len(seeds) < 2:
+        continue
+      a = [g["runs"][s]["final"]["val_loss_full"] for s in seeds]
+      b = [base["runs"][s]["final"]["val_loss_full"] for s in seeds]
+      c = stats.paired_comparison(b, a)   # wins: the arm's loss is lower
+      bc = base["config"]
+      out.append(dict(
+          arm=arm_label(g["config"]), group=key,
+          baseline=f"adamw lr {bc['learning_rate']:g}",
+          same_lr=bc["learning_rate"] == g["config"]["learning_rate"],
+          seeds=seeds, blocks=sorted({harness.seed_block(s) for s in seeds}),
+          mean_diff=-c["mean_diff"], ci_low=-c["ci_high"],
+          ci_high=-c["ci_low"], t=-c["t"], p=c["p"], wins=c["wins"],
+          losses=c["losses"]))
+  for c, p in zip(out, stats.holm([c["p"] for c in out])):
+    c["p_holm"] = p
+  return out
+
+
+def reference_checks(gs: dict) -> list:
+  """Each adamw group at a published setting: ours against nanoGPT's."""
+  out = []
+  for g in gs.values():
+    name = preset_of(Config(**g["config"]))
+    if g["config"]["arm"] != "adamw" or name is None:
+      continue
+    s = summarize(g)
+    best = s["best_val_loss"]
+    per_seed = {sd: min(r["history"]["val_loss"])
+                for sd, r in sorted(g["runs"].items())}
+    out.append(dict(preset=name, published=PUBLISHED[name], seeds=s["seeds"],
+                    best_val_loss_per_seed=per_seed,
+                    val_loss=s["val_loss"], best_val_loss=best,
+                    val_loss_full=s["val_loss_full"],
+                    train_loss=s["train_loss"], wall_s=s["wall_s"],
+                    diff=best - PUBLISHED[name],
+                    within=abs(best - PUBLISHED[name]) <= TOLERANCE))
+  return out
+
+
+def fmt_p(p):
+  return "n/a" if not np.isfinite(p) else f"{p:.3g}"
+
+
+def markdown(gs: dict, refs: list, comps: list, meta: dict,
+             notes: str = "") -> str:
+  lines = []
+  if refs:
+    lines += ["External reference (nanoGPT README, AdamW). Ours: nanoGPT's"
+              " estimate_loss (the same estimator and eval_iters) at the"
+              " last step and its best over the evaluations (what nanoGPT's"
+              " best_val_loss tracks; the difference is taken from it), the"
+              " loss over the whole validation split, and the train"
+              " estimate at the last step:", "",
+              "| setting | seeds | published val | our val, last | our val,"
+              " best | best, per seed | our val, whole split | our train |"
+              f" difference | within {TOLERANCE:g} | wall s/run |",
+              "|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|"]
+    for r in refs:
+      lines.append(
+          f"| nanoGPT {r['preset']} | {harness.format_seeds(r['seeds'])} |"
+          f" {r['published']:.4g} | {r['val_loss']:.4f} |"
+          f" {r['best_val_loss']:.4f} |"
+          f" {', '.join(f'{v:.4f}' for v in r['best_val_loss_per_seed'].values())} |"
+          f" {r['val_loss_full']:.4f} | {r['train_loss']:.4f} |"
+          f" {r['diff']:+.4f} | {'yes' if r['within'] else 'no'} |"
+          f" {r['wall_s']:.0f} |")
+    lines.append("")
+  # One table per setting (the configuration up to the arm and the
+  # learning rate); rows by arm, lr, the arm's own fields.
+  without_lr = lambda c: {k: v for k, v in shared(c).items()
+                          if k not in LR_FIELDS}
+  by_setting = {}
+  for key, g in gs.items():
+    by_setting.setdefault(harness.digest([without_lr(g["config"]),
+                                          g["data"]]), []).append(key)
+
+  def order(key):
+    c = gs[key]["config"]
+    return (ARMS.index(c["arm"]), c["learning_rate"],
+            tuple(c[f] for f in ARM_FIELDS.get(c["arm"], ())))
+
+  def setting_order(keys_):
+    c = gs[keys_[0]]["config"]
+    return (preset_of(Config(**c)) is None, -c["max_iters"])
+
+  for keys_ in sorted(by_setting.values(), key=setting_order):
+    keys_ = sorted(keys_, key=order)
+    cfg0 = gs[keys_[0]]["config"]
+    lines += [f"Setting: {setting(cfg0)}.", "",
+              "| arm | lr (non-Q/K) | seeds | train loss | val loss"
+              " (estimate) | val loss, whole split | sd | Q/K isometry error"
+              " | wall s/run |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for key in keys_:
+      s = summarize(gs[key])
+      sd = (f"{s['val_loss_full_sd']:.4f}"
+            if np.isfinite(s["val_loss_full_sd"]) else "")
+      lines.append(
+          f"| {s['arm']} | {lr_text(gs[key]['config'])} |"
+          f" {harness.format_seeds(s['seeds'])} |"
+          f" {s['train_loss']:.4f} | {s['val_loss']:.4f} |"
+          f" {s['val_loss_full']:.4f} |"
+          f" {sd} |"
+          f" {s['qk_iso']:.2g} | {s['wall_s']:.0f} |")
+    here = [c for c in comps if c["group"] in keys_]
+    if here:
+      lines += ["", "Paired against adamw (val loss over the whole"
+                " validation split, arm - adamw; negative favours the arm;"
+                " each arm against every adamw lr run on the same seeds;"
+                " Holm across every comparison of this report):", "",
+                "| arm | baseline | seeds | block | mean diff | 95% CI | wins"
+                " | t | p | p (Holm) |",
+                "|---|---|---|---|---:|---|---|---:|---:|---:|"]
+      for c in here:
+        lines.append(
+            f"| {c['arm']} | {c['baseline']} |"
+            f" {harness.format_seeds(c['seeds'])} |"
+            f" {'+'.join(c['blocks'])} | {c['mean_diff']:+.4f} |"
+            f" [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}] |"
+            f" {c['wins']}/{len(c['seeds'])} | {c['t']:.2f} | {fmt_p(c['p'])} |"
+            f" {fmt_p(c['p_holm'])} |")
+    lines.append("")
+  if notes:
+    lines += [notes, ""]
+  lines.append(
+      f"Training: {meta['runs']} runs, {meta['run_wall_s']:.0f} s wall and"
+      f" {meta['run_cpu_s']:.0f} s CPU summed; stiefel_optax"
+      f" {', '.join(meta['library_versions'])}; corpus"
+      f" {', '.join(meta['data'])}; machine:"
+      f" {'; '.join(meta['machines']) or 'not recorded'}.")
+  if meta["commands"]:
+    lines += ["", "Trained by: " + "; ".join(f"`{c}`" for c in
+                                            meta["commands"]) + "."]
+  lines += ["", f"Regenerate: `{meta['regenerate']}` (with `--results-md"
+            " benchmarks/RESULTS.md`, also this section of RESULTS.md)."]
+  return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def report(out: pathlib.Path) -> dict:
+  """results.json and table.md of `out` from its saved runs and notes.md."""
+  recs = harness.RunStore(out).records()
+  gs = groups(recs)
+  if not gs:
+    raise SystemExit(f"{harness.portable(out)}: no finished runs to report.")
+  refs, comps = reference_checks(gs), comparisons(gs)
+  done = [r for g in gs.values() for r in g["runs"].values()]
+  cmds = []
+  for e in sorted((e for r in done for e in r["trained_by"] if e["command"]),
+                  key=lambda e: e["started_utc"]):
+    if e["command"] not in cmds:
+      cmds.append(e["command"])
+  meta = dict(
+      runs=len(done), run_wall_s=sum(r["wall_s"] for r in done),
+      run_cpu_s=sum(r["cpu_s"] for r in done),
+      library_versions=sorted({r["library_version"] for r in done}),
+      data=sorted({r["data"] for r in done}),
+      machines=sorted({harness.machine_line(r["machine"]) for r in done}),
+      commands=cmds,
+      regenerate=f"python -m benchmarks.lm --report-only --out"
+                 f" {harness.portable(out)}")
+  table = markdown(gs, refs, comps, meta, harness.read_notes(out / "notes.md"))
+  harness.write_json(out / "results.json", dict(
+      meta=meta, references=refs, comparisons=comps,
+      groups={k: dict(config=g["config"], data=g["data"], **summarize(g))
+              for k, g in gs.items()}), indent=1)
+  harness.write_text(out / "table.md", table)
+  return dict(table=table, references=refs, comparisons=comps, meta=meta)
+
+
+# --------------------------------------------------------------------------
+# Command line.
+
+
+def _field_type(f: dataclasses.Field):
+  return {"int": int, "float": float, "str": str}[
+      f.type if isinstance(f.type, str) else f.type.__name__]
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog="python -m benchmarks.lm",
+                              description=__doc__.split("\n")[0])
+  harness.add_common_args(
+      p, default_out_dir="runs/lm", seeds_default="0",
+      quick_help="toy size (2 layers, d 32, context 16, 30 iters), arms"
+                 " adamw and stiefel, seed 0: well under a minute")
+  p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                 help="cpu: nanoGPT's small CPU command (default); gpu: its"
+                      " shakespeare_char config; quick: toy")
+  p.add_argument("--arms", default=None,
+                 help=f"comma list of {', '.join(ARMS)} (default adamw;"
+                      " --quick: adamw,stiefel)")
+  p.add_argument("--data", type=pathlib.Path, default=None,
+                 help="the corpus (default ../shared/data/tinyshakespeare.txt"
+                      " from the repository root)")
+  p.add_argument("--probe", type=int, default=0,
+                 help="first time this many steps of the first run (not"
+                      " saved) and print the projected wall time")
+  p.add_argument("--dry-run", action="store_true",
+                 help="with --probe: print the projection and stop")
+  p.add_argument("--time-budget", type=float, default=0,
+                 help="seconds: start no seed whose runs would end past it"
+                      " (estimated from the slowest seed so far)")
+  p.add_argument("--note", default="",
+                 help="text written to <out>/notes.md (in every report)")
+  p.add_argument("--quiet", action="store_true")
+  for f in dataclasses.fields(Config):
+    if f.name != "arm":
+      p.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+                     default=None,
+                     help=f"{_field_type(f).__name__}; a comma list sweeps")
+  return p.parse_args(argv)
+
+
+def configs(args) -> list:
+  """Every Config the command asks for: preset, overrides, sweeps, arms."""
+  preset = args.preset or ("quick" if args.quick else "cpu")
+  base = PRESETS[preset]
+  arms = (args.arms or ("adamw,stiefel" if args.quick else "adamw")).split(",")
+  sweeps = {}
+  for f in dataclasses.fields(Config):
+    val = getattr(args, f.name, None) if f.name != "arm" else None
+    if val is not None:
+      sweeps[f.name] = [_field_type(f)(v) for v in val.split(",")]
+  out = []
+  for arm in arms:
+    names = [k for k in sweeps if k not in
+             {x for a, fs in ARM_FIELDS.items() if a != arm for x in fs}]
+    for vals in itertools.product(*(sweeps[k] for k in names)):
+      cfg = dataclasses.replace(base, arm=arm, **dict(zip(names, vals)))
+      if "max_iters" in names and "lr_decay_iters" not in sweeps:
+        cfg = dataclasses.replace(cfg, lr_decay_iters=cfg.max_iters)
+      check_config(cfg)
+      if cfg not in out:
+        out.append(cfg)
+  return out
+
+
+def probe(cfg: Config, seed: int, corpus: Corpus, steps: int, todo: list,
+          log=print) -> float:
+  """Times `steps` steps (after one compiled chunk) of cfg; returns and
+  prints the projected wall time of the runs in `todo`."""
+  pcfg = dataclasses.replace(cfg, eval_interval=math.gcd(steps,
+                                                         cfg.max_iters))
+  steps = max(steps, pcfg.eval_interval)
+  t0 = time.time()
+  train_run(pcfg, seed, corpus, None, max_iters=pcfg.eval_interval,
+            log=lambda *_: None)
+  t1 = time.time()
+  train_run(pcfg, seed, corpus, None, max_iters=steps, log=lambda *_: None)
+  t2 = time.time()
+  compile_s = max(t1 - t0 - (t2 - t1) * pcfg.eval_interval / steps, 0.0)
+  per_step = (t2 - t1) / steps
+  total = sum(c.max_iters * per_step * (1 + 2 * c.eval_iters / 3
+                                        / c.eval_interval) + compile_s
+              for c in todo)
+  log(f"probe: {steps} steps of {cfg.arm} in {t2 - t1:.1f} s"
+      f" ({1e3 * per_step:.1f} ms/step, about {compile_s:.0f} s to compile);"
+      f" projected wall time of the {len(todo)} run(s) to do:"
+      f" {total / 60:.1f} min")
+  return total
+
+
+def main(argv=None) -> dict:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  log = (lambda *_: None) if args.quiet else functools.partial(print,
+                                                               flush=True)
+  out = args.out or (REFERENCE_DIR if args.report_only and args.results_md
+                     else harness.default_out("lm"))
+  if args.note:
+    harness.write_text(out / "notes.md", args.note.strip() + "\n")
+  if not args.report_only:
+    corpus = load_corpus(str(args.data or default_data()))
+    seeds = args.seeds or (0,)
+    cfgs = configs(args)
+    store = harness.RunStore(out)
+    todo = [(c, s) for c in cfgs for s in seeds
+            if (r := store.load(run_name(c, s, corpus.data_id))) is None
+            or r.get("final") is None or not harness.matches(r)]
+    if args.probe and todo:
+      probe(todo[0][0], todo[0][1], corpus, args.probe, [c for c, _ in todo],
+            log)
+      if args.dry_run:
+        return {}
+    command = harness.command_line("benchmarks.lm", argv)
+    t0, per_seed = time.time(), []
+    for seed in seeds:   # seed-major: a stopped study leaves whole pairs
+      if (args.time_budget and per_seed and time.time() - t0
+          + 1.1 * max(per_seed) > args.time_budget):
+        log(f"time budget {args.time_budget:.0f} s: stopping before seed"
+            f" {seed}")
+        break
+      ts = time.time()
+      for cfg in cfgs:
+        rec = train_run(cfg, seed, corpus, out, command=command, log=log)
+        f = rec["final"]
+        log(f"{rec['name']}: train {f['train_loss']:.4f}, val"
+            f" {f['val_loss']:.4f}, val (whole split) {f['val_loss_full']:.4f},"
+            f" {rec['wall_s']:.0f} s")
+      per_seed.append(time.time() - ts)
+  rep = report(out)
+  if args.results_md:
+    harness.write_section(args.results_md, SECTION,
+                          f"{SECTION}\n\n{rep['table']}")
+  log(rep["table"])
+  log(f"results: {harness.portable(out)}")
+  return rep
+
+
+if __name__ == "__main__":
+  main()
