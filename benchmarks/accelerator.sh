@@ -14,7 +14,8 @@
 #
 # Everything it writes goes under $OUT (default runs/accelerator): machine.txt,
 # speed/speed.json and speed.md, lm/ (runs, table.md, results.json), log.txt.
-# Knobs: BUDGET_S (whole script, default 450 s), SEEDS (default 0-7),
+# Knobs: BUDGET_S (whole script, default 450 s), SEEDS (default 0-7), SPEED
+# (default 1; 0 skips part (a), which tests/test_speed.py covers on CPU),
 # STIEFEL_LR, STIEFEL_CAP (the Stiefel Q/K peak lr and trust region, default
 # 0.3 and 0.3: chosen at the CPU config, not re-tuned at this one), DATA.
 set -euo pipefail
@@ -45,7 +46,7 @@ cat "$OUT/machine.txt"
 
 # (a) speed: one update on a GPT-2-small-shaped tree; one training step of a
 # GPT-2-small-shaped causal LM (12 x d768, 12 heads, vocab 50304, 8 x 1024).
-TOY="$TOY" OUT="$OUT" "$PY" - <<'EOF'
+[ "${SPEED:-1}" = 0 ] || TOY="$TOY" OUT="$OUT" "$PY" - <<'EOF'
 import json, os, pathlib
 from benchmarks import harness, speed
 toy = os.environ["TOY"] == "1"
