@@ -126,6 +126,12 @@ def merge(frames: jax.Array, rest, spec: FrameSpec, shape) -> jax.Array:
   if part is None:
     return block
   if rest is None:
+    if len(spec.take) < spec.parts:
+      # The leaf's other parts are part of its shape: never drop them.
+      raise ValueError(
+          f"merge: {spec} takes {len(spec.take)} of {spec.parts} parts of a"
+          f" leaf of shape {shape}; pass the other parts as rest (or use"
+          " from_frames, which fills them with zeros).")
     return _parts_back(block, part)
   rest_parts = _parts_first(rest, spec.parts - len(spec.take), part)
   pieces, t, o = [], 0, 0

@@ -94,6 +94,9 @@ def test_spec_errors_name_the_leaf_and_the_fix():
     so.to_frames(jnp.zeros((8, 6)), FrameSpec(0, 1, heads=4))
   with pytest.raises(ValueError, match=r"\(8, 7\).*parts = 3"):
     so.to_frames(jnp.zeros((8, 7)), so.fused_qkv(1))
+  with pytest.raises(ValueError, match=r"takes 2 of 3 parts.*\(8, 12\)"):
+    so.merge(so.to_frames(jnp.zeros((8, 12)), so.fused_qkv(2)), None,
+             so.fused_qkv(2), (8, 12))
   for bad in (dict(parts=3, take=(3,)), dict(parts=3, take=(1, 0)),
               dict(parts=3), dict(take=(0,)), dict(heads=0)):
     with pytest.raises(ValueError):
