@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import pathlib
@@ -111,10 +112,12 @@ def frames_of(per_head: bool):
 class Arm(NamedTuple):
   """One arm: the Q/K recipe, its start, frame layout and tuning grid.
 
-  grid: hyperparameter points {lr, cap, ...} tried on the validation split;
-  None inherits the chosen point of `tune_from` (ablations change one
-  ingredient at the tuned setting). fixed: hyperparameters of the recipe
-  that are not tuned (e.g. eps).
+  grid: the axes ((name, values), ...) of a product grid of
+  hyperparameters tried on the validation split; None inherits the chosen
+  point of `tune_from` (ablations change one ingredient at the tuned
+  setting). An axis whose best value lies on its edge is extended
+  geometrically (`tuned_axes`) until the best is interior. fixed:
+  hyperparameters of the recipe that are not tuned (e.g. eps).
   """
   name: str
   recipe: Callable[..., optax.GradientTransformation]
@@ -126,20 +129,18 @@ class Arm(NamedTuple):
   group: str = "main"
 
 
-def _pts(*pairs):
-  return tuple({"lr": lr, "cap": cap} for lr, cap in pairs)
-
-
 def make_arms() -> dict:
-  """The registry of arms, in the order the sweep runs them."""
-  lrs = lambda *v: tuple({"lr": x} for x in v)
+  """The registry of arms, in the order the sweep runs them. Every tuned
+  arm gets 3 half-decade points per hyperparameter (fair tuning): AdamW lr
+  x weight decay (which also sets every arm's non-Q/K AdamW), Stiefel Q/K
+  lr x cap, RSGD lr."""
   arms = [
       Arm("adamw", qk_adamw, orthonormal=False,
-          grid=lrs(1e-3, 3e-3, 1e-2, 3e-2)),
-      Arm("stiefel", qk_stiefel, grid=_pts((0.01, 0.1), (0.03, 0.1), (0.1, 0.1),
-                                           (0.1, 0.3), (0.3, 0.3), (1.0, 1.0))),
-      Arm("rsgd", qk_rsgd, grid=lrs(0.1, 1.0, 10.0, 30.0), group="baseline"),
-      Arm("frozen", qk_frozen, grid=({},), group="baseline"),
+          grid=(("lr", (1e-3, 3e-3, 1e-2)), ("weight_decay", (0.01, 0.05, 0.25)))),
+      Arm("stiefel", qk_stiefel,
+          grid=(("lr", (0.1, 0.3, 1.0)), ("cap", (0.1, 0.3, 1.0)))),
+      Arm("rsgd", qk_rsgd, grid=(("lr", (3.0, 10.0, 30.0)),)),
+      Arm("frozen", qk_frozen, grid=(), group="baseline"),
       Arm("no_projection", qk_no_projection, tune_from="stiefel", group="ablation"),
       Arm("per_coordinate_v", qk_per_coordinate, tune_from="stiefel", group="ablation"),
       Arm("no_cap", qk_no_cap, tune_from="stiefel", group="ablation"),
@@ -162,14 +163,14 @@ ARMS = make_arms()
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Everything a run's result depends on besides (arm, hp, seed, n)."""
-  model: PatchViTConfig = PatchViTConfig()
+  model: PatchViTConfig = PatchViTConfig(dim=64, heads=4, depth=2)
   batch: int = 128
-  epochs: int = 6
-  weight_decay: float = 0.05
+  epochs: int = 20
   warmup_frac: float = 0.05
   val_size: int = 1000
   val_seed: int = 12345
-  tune_seed: int = 1000
+  tune_seeds: tuple = (1000, 1001, 1002)
+  max_extensions: int = 3
 
   def to_dict(self):
     return dataclasses.asdict(self)
@@ -231,18 +232,22 @@ def schedule(peak: float, total_steps: int, cfg: Config):
                                             max(total_steps, warmup + 1))
 
 
-def make_tx(arm: Arm, hp: dict, base_lr: float, total_steps: int, cfg: Config):
-  """AdamW(base_lr) on every parameter except Q/K, the arm's recipe there."""
+BASE_KEYS = ("lr", "weight_decay")
+
+
+def make_tx(arm: Arm, hp: dict, base: dict, total_steps: int, cfg: Config):
+  """AdamW(base lr, base weight decay) on every parameter except Q/K, the
+  arm's recipe there (with the same weight decay where it takes one)."""
   kw = dict(arm.fixed)
-  kw.update({k: v for k, v in hp.items() if k != "lr"})
+  kw.update({k: v for k, v in hp.items() if k not in BASE_KEYS})
   qk_lr = schedule(hp["lr"], total_steps, cfg) if "lr" in hp else None
-  rest_lr = schedule(base_lr, total_steps, cfg)
+  rest_lr = schedule(base["lr"], total_steps, cfg)
   # Arms that start off the manifold (adamw) train raw kernels: no start check.
   return so.stiefel_attention(
       rest_lr, frames=frames_of(arm.per_head),
       orthonormal_start="check" if arm.orthonormal else "project",
-      stiefel_tx=arm.recipe(qk_lr, weight_decay=cfg.weight_decay, **kw),
-      euclidean_tx=optax.adamw(rest_lr, weight_decay=cfg.weight_decay))
+      stiefel_tx=arm.recipe(qk_lr, weight_decay=base["weight_decay"], **kw),
+      euclidean_tx=optax.adamw(rest_lr, weight_decay=base["weight_decay"]))
 
 
 def normalize(x_uint8, mean, std):
@@ -287,12 +292,47 @@ class Task(NamedTuple):
   @property
   def name(self) -> str:
     if self.kind == "tune":
-      return f"tune__{self.arm}__{hp_key(self.hp)}"
+      return f"tune__{self.arm}__{hp_key(self.hp)}__s{self.seed}"
     return f"{self.arm}__n{self.n}__s{self.seed}"
 
 
 def hp_key(hp: dict) -> str:
   return "_".join(f"{k}{v:g}" for k, v in sorted(hp.items())) or "none"
+
+
+# --------------------------------------------------------------------------
+# Tuning: product grids, the mean over tuning seeds, edges extended.
+
+
+def grid_points(axes) -> list:
+  """The points {name: value} of the product grid of `axes`, in order."""
+  names = [name for name, _ in axes]
+  return [dict(zip(names, vals))
+          for vals in itertools.product(*(v for _, v in axes))]
+
+
+def best_point(axes, scores: dict) -> dict:
+  """The grid point with the highest score (ties: first in grid order);
+  scores maps hp_key(point) to the mean validation accuracy."""
+  points = grid_points(axes)
+  return max(points, key=lambda p: (scores[hp_key(p)], -points.index(p)))
+
+
+def extend_axes(axes, best: dict) -> Optional[tuple]:
+  """`axes` with every axis whose best value is its first or last value
+  extended one geometric step beyond it; None when the best is interior on
+  every axis (or an axis has a single value: nothing to extend)."""
+  out, changed = [], False
+  for name, vals in axes:
+    vals = tuple(vals)
+    if len(vals) >= 2 and best[name] in (vals[0], vals[-1]):
+      lo = best[name] == vals[0]
+      a, b = (vals[0], vals[1]) if lo else (vals[-1], vals[-2])
+      new = float(f"{a * a / b:.3g}")
+      vals = (new,) + vals if lo else vals + (new,)
+      changed = True
+    out.append((name, vals))
+  return tuple(out) if changed else None
 
 
 class Bench:
@@ -328,43 +368,77 @@ class Bench:
     try:   # stale if the chosen hyperparameters have changed since
       if task.kind == "run" and rec.get("hp") != self.chosen(task.arm):
         return None
-      if task.arm != "adamw" and rec.get("base_lr") != self.base_lr():
+      if task.arm != "adamw" and rec.get("base") != self.base():
         return None
     except RuntimeError:
       return None
     return rec
 
   # tuning -----------------------------------------------------------------
+  def tuned_axes(self, arm_name: str):
+    """(axes, finished): the arm's grid with its edges extended as far as
+    the finished tuning runs call for (at most cfg.max_extensions times),
+    and whether every run of that grid has finished."""
+    axes = self.arms[arm_name].grid
+    for extension in range(self.cfg.max_extensions + 1):
+      scores = self.scores(arm_name, axes)
+      if scores is None:
+        return axes, False
+      wider = extend_axes(axes, best_point(axes, scores))
+      if wider is None or extension == self.cfg.max_extensions:
+        return axes, True
+      axes = wider
+    raise AssertionError("unreachable")
+
+  def scores(self, arm_name: str, axes) -> Optional[dict]:
+    """{hp_key: mean validation accuracy over the tuning seeds}, or None
+    while a run is unfinished."""
+    out = {}
+    for hp in grid_points(axes):
+      recs = [self.load(Task("tune", arm_name, s, len(self.pool), hp))
+              for s in self.cfg.tune_seeds]
+      if any(r is None for r in recs):
+        return None
+      out[hp_key(hp)] = float(np.mean([r["val_acc"] for r in recs]))
+    return out
+
   def chosen(self, arm_name: str) -> dict:
-    """The arm's chosen hyperparameters: best final validation accuracy
-    over its grid (ties: first in grid order), or inherited."""
+    """The arm's chosen hyperparameters: best mean validation accuracy over
+    its (extended) grid, or inherited."""
     if arm_name in self.inherit:
       return dict(self.inherit[arm_name])
     arm = self.arms[arm_name]
     if arm.grid is None:
       return self.chosen(arm.tune_from)
-    recs = [self.load(t) for t in self.tune_tasks(arm_name)]
-    if any(r is None for r in recs):
+    if not arm.grid:
+      return {}
+    axes, finished = self.tuned_axes(arm_name)
+    if not finished:
       raise RuntimeError(f"{arm_name}: tuning runs unfinished.")
-    best = max(range(len(recs)), key=lambda i: (recs[i]["val_acc"], -i))
-    return dict(recs[best]["hp"])
+    return best_point(axes, self.scores(arm_name, axes))
 
-  def base_lr(self) -> float:
-    return self.chosen("adamw")["lr"]
+  def base(self) -> dict:
+    """The non-Q/K AdamW of every arm: the adamw arm's chosen lr and weight
+    decay."""
+    hp = self.chosen("adamw")
+    return {k: hp[k] for k in BASE_KEYS}
 
   def tune_tasks(self, arm_name: str) -> list:
+    """The tuning runs of the arm's current grid (finished or not): run
+    them, then ask again, until the grid stops growing."""
     arm = self.arms[arm_name]
-    if arm.grid is None or arm_name in self.inherit:
+    if not arm.grid or arm_name in self.inherit:
       return []
-    return [Task("tune", arm_name, self.cfg.tune_seed, len(self.pool), dict(hp))
-            for hp in arm.grid]
+    axes, _ = self.tuned_axes(arm_name)
+    return [Task("tune", arm_name, s, len(self.pool), hp)
+            for hp in grid_points(axes) for s in self.cfg.tune_seeds]
 
   # one run ----------------------------------------------------------------
-  def epoch_fn(self, arm: Arm, hp: dict, base_lr: float, n: int):
-    key = (arm.name, hp_key(hp), base_lr, n)
+  def epoch_fn(self, arm: Arm, hp: dict, base: dict, n: int):
+    key = (arm.name, hp_key(hp), hp_key(base), n)
     if key not in self._epoch_fns:
       steps = (n // self.cfg.batch) * self.cfg.epochs
-      tx = make_tx(arm, hp, base_lr, steps, self.cfg)
+      tx = make_tx(arm, hp, base, steps, self.cfg)
       self._epoch_fns[key] = (tx, make_epoch_fn(self.model, tx, self.mean, self.std))
     return self._epoch_fns[key]
 
@@ -376,13 +450,14 @@ class Bench:
     arm, cfg = self.arms[task.arm], self.cfg
     tuning = task.kind == "tune"
     hp = dict(task.hp) if tuning else self.chosen(task.arm)
-    base_lr = hp["lr"] if task.arm == "adamw" else self.base_lr()
+    base = ({k: hp[k] for k in BASE_KEYS} if task.arm == "adamw"
+            else self.base())
     pool = self.pool if tuning else self.all_train
     ex, ey = ((self.x[self.val], self.y[self.val]) if tuning
               else (self.x_test, self.y_test))
     t0 = time.time()
     idx = seed_stream(task.seed, pool, task.n, cfg)
-    tx, epoch = self.epoch_fn(arm, hp, base_lr, task.n)
+    tx, epoch = self.epoch_fn(arm, hp, base, task.n)
     params = init_params(self.model, arm, task.seed)
     start = params
     opt_state = tx.init(params)
@@ -396,7 +471,7 @@ class Bench:
     move = so.frame_movement(start, params, frames_of(arm.per_head))
     rec = {
         "kind": task.kind, "arm": task.arm, "seed": task.seed, "n": task.n,
-        "hp": hp, "base_lr": base_lr, "fixed": dict(arm.fixed),
+        "hp": hp, "base": base, "fixed": dict(arm.fixed),
         "hp_from": (self.inherit_from if task.arm in self.inherit and not tuning
                     else None),
         "per_head": arm.per_head, "orthonormal_start": arm.orthonormal,
@@ -420,24 +495,55 @@ class Bench:
 
 def plan(bench: Bench, sizes: Sequence[int], main_seeds: Sequence[int],
          other_seeds: Sequence[int], arms: Sequence[str]) -> list:
-  """Tuning, then adamw vs stiefel at each n (largest first, seeds
-  interleaved), then the baselines, ablations and eps sweep at the largest n."""
+  """Tuning (Task("tune", arm) with hp None: the whole, growing grid), then
+  the main arms (adamw, stiefel, rsgd) at each n: discovery seeds before
+  confirmation seeds, largest n first, arms interleaved; then the
+  baselines, ablations and eps sweep at the largest n."""
   unknown = sorted(set(arms) - set(bench.arms))
   if unknown:
     raise ValueError(f"unknown arms {unknown}; known: {list(bench.arms)}.")
   arms = [a for a in bench.arms if a in arms]
-  main = [a for a in ("adamw", "stiefel") if a in arms]
-  tasks = []
-  for a in main:
-    tasks += bench.tune_tasks(a)
-  for n in sorted(sizes, reverse=True):
-    for s in main_seeds:
-      tasks += [Task("run", a, s, n) for a in main]
+  main = [a for a in arms if bench.arms[a].group == "main"]
+  tasks = [Task("tune", a, -1, len(bench.pool)) for a in main]
+  blocks = sorted({harness.seed_block(s) for s in main_seeds})
+  for block in blocks:
+    for n in sorted(sizes, reverse=True):
+      for s in (s for s in main_seeds if harness.seed_block(s) == block):
+        tasks += [Task("run", a, s, n) for a in main]
   for group in ("baseline", "ablation", "eps"):
     for a in (a for a in arms if bench.arms[a].group == group):
-      tasks += bench.tune_tasks(a)
+      tasks += [Task("tune", a, -1, len(bench.pool))]
       tasks += [Task("run", a, s, max(sizes)) for s in other_seeds]
   return tasks
+
+
+def run_plan(bench: Bench, tasks: Sequence[Task], report_fn=None) -> None:
+  """Runs the unfinished tasks in order; a tuning marker (hp None) runs the
+  arm's grid, extending it until its best point is interior."""
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  runs = [t for t in tasks if t.hp is not None or t.kind == "run"]
+  bar = tqdm(total=len(runs), desc="cifar", mininterval=5)
+
+  def run(t: Task) -> None:
+    if bench.load(t) is None:
+      rec = bench.execute(t)
+      acc = rec.get("test_acc", rec.get("val_acc"))
+      bar.write(f"{t.name}: acc {100 * acc:.2f}%, train loss"
+                f" {rec['train_loss'][-1]:.3f}, {rec['wall_s']:.1f}s")
+      if t.kind == "run" and report_fn:   # the tables so far
+        report_fn()
+    bar.update(1)
+
+  for task in tasks:
+    if task.kind == "tune" and task.hp is None:
+      while todo := [t for t in bench.tune_tasks(task.arm)
+                     if bench.load(t) is None]:
+        bar.total += len(todo)
+        for t in todo:
+          run(t)
+    else:
+      run(task)
+  bar.close()
 
 
 # --------------------------------------------------------------------------
@@ -461,6 +567,13 @@ def accuracies(recs, arm: str, n: int, block: str = "discovery") -> dict:
           and harness.seed_block(r["seed"]) == block}
 
 
+def final_losses(recs, arm: str, n: int, block: str = "discovery") -> dict:
+  """{seed: mean training loss of the last epoch}."""
+  return {r["seed"]: r["train_loss"][-1] for r in recs
+          if r["kind"] == "run" and r["arm"] == arm and r["n"] == n
+          and harness.seed_block(r["seed"]) == block}
+
+
 def compare(recs, treatment: str, baseline: str, n: int,
             block: str = "discovery") -> Optional[dict]:
   """paired_comparison (pp) over the seeds of `block` (discovery or
@@ -471,9 +584,12 @@ def compare(recs, treatment: str, baseline: str, n: int,
   if not seeds:
     return None
   out = stats.paired_comparison([a[s] for s in seeds], [b[s] for s in seeds])
+  la, lb = (final_losses(recs, arm, n, block) for arm in (treatment, baseline))
   out.update(treatment=treatment, baseline=baseline, size=n, seeds=seeds,
              mean_treatment=float(np.mean([a[s] for s in seeds])),
-             mean_baseline=float(np.mean([b[s] for s in seeds])))
+             mean_baseline=float(np.mean([b[s] for s in seeds])),
+             loss_treatment=float(np.mean([la[s] for s in seeds])),
+             loss_baseline=float(np.mean([lb[s] for s in seeds])))
   return out
 
 
@@ -516,12 +632,14 @@ def findings(discovery: list, confirmation: list) -> list:
 
 
 def chosen_table(recs) -> dict:
-  """{arm: {hp: val_acc}} from the tuning runs."""
-  out = {}
+  """{arm: {hp: [mean val_acc, tuning seeds]}} from the tuning runs."""
+  accs = {}
   for r in recs:
     if r["kind"] == "tune":
-      out.setdefault(r["arm"], {})[hp_key(r["hp"])] = r["val_acc"]
-  return out
+      accs.setdefault(r["arm"], {}).setdefault(hp_key(r["hp"]), []).append(
+          r["val_acc"])
+  return {a: {k: [float(np.mean(v)), len(v)] for k, v in g.items()}
+          for a, g in accs.items()}
 
 
 def fmt(x, nd=2):
@@ -529,13 +647,15 @@ def fmt(x, nd=2):
 
 
 def markdown_table(rows) -> str:
-  lines = ["| treatment | baseline | n | pairs | treatment acc % | baseline acc %"
-           " | gain pp [95% CI] | paired t | p | Holm p | wins |",
+  lines = ["| treatment | baseline | n | pairs | treatment acc % (train loss)"
+           " | baseline acc % (train loss) | gain pp [95% CI] | paired t | p"
+           " | Holm p | wins |",
            "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
   for r in rows:
     lines.append(
         f"| {r['treatment']} | {r['baseline']} | {r['size']} | {r['n']} |"
-        f" {r['mean_treatment']:.2f} | {r['mean_baseline']:.2f} |"
+        f" {r['mean_treatment']:.2f} ({r['loss_treatment']:.3f}) |"
+        f" {r['mean_baseline']:.2f} ({r['loss_baseline']:.3f}) |"
         f" {fmt(r['mean_diff'])} [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}] |"
         f" {r['t']:.2f} | {r['p']:.2g} | {r['holm']:.2g} | {r['wins']}/{r['n']} |")
   return "\n".join(lines)
@@ -619,7 +739,8 @@ def report(out: pathlib.Path, data: Optional[str] = None,
       "seeds": {b: harness.format_seeds(s) for b, s in sorted(blocks.items())},
       "tuning": chosen_table(recs),
       "chosen": {r["arm"]: r["hp"] for r in runs},
-      "base_lr": next((r["base_lr"] for r in runs if r["arm"] != "adamw"), None),
+      "base": next((r.get("base", {"lr": r.get("base_lr")}) for r in runs
+                    if r["arm"] != "adamw"), None),
       "qk_movement": frame_summary(runs, "qk_movement"),
       "qk_isometry_error": frame_summary(runs, "qk_isometry_error"),
       "runs": len(runs), "tuning_runs": len(recs) - len(runs),
@@ -748,8 +869,10 @@ def section_text(summary: dict, out: pathlib.Path, data: str, notes: str = "",
                                      pathlib.Path(md_dir).resolve())).as_posix()
   hp = "\n".join(f"- `{a}`: {json.dumps(h)}" for a, h in
                  sorted(summary["chosen"].items()))
-  grid = "\n".join(f"- `{a}`: " + ", ".join(f"{k} -> {100 * v:.2f}%"
-                                            for k, v in g.items())
+  grid = "\n".join(f"- `{a}`: " + ", ".join(
+      f"{k} -> {100 * v:.2f}%" + (f" ({c})" if c > 1 else "")
+      for k, (v, c) in ((k, v if isinstance(v, list) else [v, 1])
+                        for k, v in g.items()))
                    for a, g in summary["tuning"].items())
   frames = "\n".join(
       f"- `{a}`: moved {m:.2f}, isometry error"
@@ -776,13 +899,16 @@ tuning runs ({summary["tuning_wall_s"] / 60:.1f} min).
 
 {markdown_table(summary["comparisons"])}
 
-Validation accuracy of each tuning point (seed {cfg.get("tune_seed")}, trained
-on the training images minus the {cfg.get("val_size")} validation images):
+Validation accuracy of each tuning point (mean over the tuning seeds
+{cfg.get("tune_seeds", cfg.get("tune_seed"))}, their count in brackets where
+more than one; trained on the training images minus the
+{cfg.get("val_size")} validation images; a grid is widened past any edge
+its best point falls on):
 
 {grid}
 
 Chosen (the AdamW arm's learning rate is also every arm's learning rate for
-the non-Q/K parameters; base lr {summary["base_lr"]}):
+the non-Q/K parameters, with its weight decay: {json.dumps(summary["base"])}):
 
 {hp}
 
@@ -814,7 +940,7 @@ def write_section(path: pathlib.Path, summary: dict, out: pathlib.Path,
 
 def quick_config() -> Config:
   return Config(model=PatchViTConfig(dim=16, heads=2, depth=1, mlp_ratio=2),
-                batch=32, epochs=2, val_size=64)
+                batch=32, epochs=2, val_size=64, tune_seeds=(1000,))
 
 
 def parse_args(argv=None):
@@ -858,7 +984,8 @@ def main(argv=None) -> dict:
     arms = args.arms or ["adamw", "stiefel"]
     seeds, other_seeds = args.seeds or (0, 1), args.other_seeds or (0, 1)
     out = args.out or harness.default_out("cifar_quick")
-    registry = {k: v._replace(grid=v.grid[:1] if v.grid else v.grid)
+    registry = {k: v._replace(grid=tuple((a, vals[:1]) for a, vals in v.grid)
+                              if v.grid else v.grid)
                 for k, v in ARMS.items()}
   else:
     cfg = Config()
@@ -882,18 +1009,11 @@ def main(argv=None) -> dict:
                 harness.portable(args.hp_from) if args.hp_from else None)
   if not args.report_only:
     tasks = plan(bench, sizes, seeds, other_seeds, arms)
-    todo = [t for t in tasks if bench.load(t) is None]
     print(f"data {data.source} ({data.location or 'in memory'}); {len(tasks)}"
-          f" tasks, {len(todo)} to run; identity {bench.fp}; out {out}",
-          flush=True)
-    from tqdm import tqdm
+          f" planned steps; identity {bench.fp}; out {out}", flush=True)
     t0 = time.time()
-    for task in tqdm(todo, desc="cifar", mininterval=5):
-      rec = bench.execute(task)
-      acc = rec.get("test_acc", rec.get("val_acc"))
-      tqdm.write(f"{task.name}: acc {100 * acc:.2f}% in {rec['wall_s']:.1f}s")
-      if task.kind == "run":   # the tables so far (plots at the end)
-        report(out, data.source, cfg.to_dict(), plots=False)
+    run_plan(bench, tasks, lambda: report(out, data.source, cfg.to_dict(),
+                                          plots=False))
     print(f"sweep wall time {time.time() - t0:.0f}s", flush=True)
   summary = report(out, data.source, cfg.to_dict())
   if args.results_md:

@@ -179,12 +179,14 @@ def test_per_coordinate_ablation_is_not_scale_free():
 def test_paired_statistics_and_sections(tmp_path):
   recs = []
   for s in range(4):
-    recs.append({"kind": "run", "arm": "adamw", "n": 100, "seed": s, "test_acc": 0.30 + 0.01 * s})
-    recs.append({"kind": "run", "arm": "stiefel", "n": 100, "seed": s, "test_acc": 0.33 + 0.01 * s + 0.001 * s * s})
-  recs.append({"kind": "run", "arm": "stiefel", "n": 100, "seed": 9, "test_acc": 0.9})  # unpaired
+    recs.append({"kind": "run", "arm": "adamw", "n": 100, "seed": s, "test_acc": 0.30 + 0.01 * s, "train_loss": [2.0, 1.5]})
+    recs.append({"kind": "run", "arm": "stiefel", "n": 100, "seed": s, "test_acc": 0.33 + 0.01 * s + 0.001 * s * s, "train_loss": [2.0, 1.0 + s]})
+  recs.append({"kind": "run", "arm": "stiefel", "n": 100, "seed": 9, "test_acc": 0.9, "train_loss": [9.0]})  # unpaired
   row = cp.compare(recs, "stiefel", "adamw", 100)
   assert row["n"] == 4 and row["wins"] == 4 and row["seeds"] == [0, 1, 2, 3]
   assert 3.0 < row["mean_diff"] < 3.5 and row["ci_low"] < row["mean_diff"] < row["ci_high"]
+  assert row["loss_treatment"] == 2.5 and row["loss_baseline"] == 1.5
+  assert "34.85 (2.500)" in cp.markdown_table(cp.with_holm([row]))
   text = "# R\n\n## Grokking\n\nkeep me\n\n## CIFAR-10 patch benchmark\n\nold\n\n## Other\n\nkeep too\n"
   new = harness.replace_section(text, cp.SECTION, "## CIFAR-10 patch benchmark\n\nnew")
   assert "old" not in new and "new" in new
@@ -194,6 +196,26 @@ def test_paired_statistics_and_sections(tmp_path):
   first = harness.with_policy(text, policy)
   assert first.startswith("# R\n\n" + policy + "\n## Grokking")
   assert harness.with_policy(first, policy) == first
+
+
+def test_tuning_grid_is_a_product_widened_past_its_edges():
+  axes = (("lr", (1e-3, 3e-3, 1e-2)), ("weight_decay", (0.01, 0.05)))
+  points = cp.grid_points(axes)
+  assert len(points) == 6 and points[0] == {"lr": 1e-3, "weight_decay": 0.01}
+  scores = {cp.hp_key(p): p["lr"] for p in points}       # best: largest lr
+  best = cp.best_point(axes, scores)
+  assert best == {"lr": 1e-2, "weight_decay": 0.01}       # tie: grid order
+  wider = cp.extend_axes(axes, best)
+  assert wider == (("lr", (1e-3, 3e-3, 1e-2, 0.0333)),
+                   ("weight_decay", (0.002, 0.01, 0.05)))
+  interior = {"lr": 3e-3, "weight_decay": 0.05}
+  assert cp.extend_axes((("lr", (1e-3, 3e-3, 1e-2)),), interior) is None
+  assert cp.extend_axes((("lr", (1e-3,)),), {"lr": 1e-3}) is None
+  for name in ("adamw", "stiefel", "rsgd"):   # 3 points per hyperparameter
+    assert all(len(v) == 3 for _, v in cp.ARMS[name].grid)
+  assert [a for a, _ in cp.ARMS["adamw"].grid] == ["lr", "weight_decay"]
+  assert [a for a, _ in cp.ARMS["stiefel"].grid] == ["lr", "cap"]
+  assert len(cp.Config().tune_seeds) >= 3
 
 
 def test_holm_step_down():
@@ -279,7 +301,7 @@ def test_quick_end_to_end_and_resume(tmp_path):
   assert {"adamw__n384__s0", "stiefel__n384__s1"} <= names
   rec = json.loads((out / "runs" / "stiefel__n384__s0.json").read_text())
   assert rec["data"].startswith("synthetic:0:md5=") and rec["qk_isometry_error"] < 1e-4
-  assert rec["hp"] and rec["base_lr"] > 0 and len(rec["test_curve"]) == 2
+  assert rec["hp"] and rec["base"]["lr"] > 0 and rec["base"]["weight_decay"] > 0 and len(rec["test_curve"]) == 2
   assert rec["identity"] == cp.fingerprint(cp.quick_config(), rec["data"])
   assert rec["library_version"] == so.__version__
   assert rec["code_hash"] == harness.code_hash()
