@@ -43,6 +43,14 @@ REFERENCE_OUT = harness.REFERENCE_ROOT / "cifar"
 SECTION = "## CIFAR-10 patch benchmark"
 
 
+def section_heading(out: pathlib.Path) -> str:
+  """The RESULTS.md heading of a results folder: SECTION for the main
+  protocol's (results/cifar), SECTION plus the folder's name for another
+  (e.g. the earlier tiny protocol, results/cifar_tiny)."""
+  name = pathlib.Path(out).resolve().name
+  return SECTION if name == REFERENCE_OUT.name else f"{SECTION}: `{name}`"
+
+
 # --------------------------------------------------------------------------
 # Q/K recipes: each arm's optimizer for the query/key frames, (..., d, r).
 
@@ -728,6 +736,13 @@ def report(out: pathlib.Path, data: Optional[str] = None,
   """Writes summary.json, table.md and (plots) the PNGs from the finished
   runs (those of `collect(out, data, config)`)."""
   recs = collect(out, data, config)
+  configs = {json.dumps(r["config"], sort_keys=True) for r in recs}
+  if len(configs) > 1:
+    raise ValueError(
+        f"{harness.portable(out)} holds runs of {len(configs)} configurations;"
+        " a report covers one. Move the others to their own folder, or run"
+        " without --report-only to report the current configuration's runs:"
+        f" {sorted(configs)}")
   rows = comparisons(recs)
   runs = [r for r in recs if r["kind"] == "run"]
   blocks = {}
@@ -870,7 +885,7 @@ def section_text(summary: dict, out: pathlib.Path, data: str, notes: str = "",
   hp = "\n".join(f"- `{a}`: {json.dumps(h)}" for a, h in
                  sorted(summary["chosen"].items()))
   grid = "\n".join(f"- `{a}`: " + ", ".join(
-      f"{k} -> {100 * v:.2f}%" + (f" ({c})" if c > 1 else "")
+      f"{k} -> {100 * v:.2f}% ({c})"
       for k, (v, c) in ((k, v if isinstance(v, list) else [v, 1])
                         for k, v in g.items()))
                    for a, g in summary["tuning"].items())
@@ -878,7 +893,7 @@ def section_text(summary: dict, out: pathlib.Path, data: str, notes: str = "",
       f"- `{a}`: moved {m:.2f}, isometry error"
       f" {summary['qk_isometry_error'].get(a, float('nan')):.1e}"
       for a, m in summary.get("qk_movement", {}).items())
-  return f"""{SECTION}
+  return f"""{section_heading(out)}
 
 {notes.strip()}
 
@@ -900,8 +915,8 @@ tuning runs ({summary["tuning_wall_s"] / 60:.1f} min).
 {markdown_table(summary["comparisons"])}
 
 Validation accuracy of each tuning point (mean over the tuning seeds
-{cfg.get("tune_seeds", cfg.get("tune_seed"))}, their count in brackets where
-more than one; trained on the training images minus the
+{harness.format_seeds(cfg.get("tune_seeds", [cfg.get("tune_seed")]))} that have
+finished, their count in brackets; trained on the training images minus the
 {cfg.get("val_size")} validation images; a grid is widened past any edge
 its best point falls on):
 
@@ -930,7 +945,7 @@ def write_section(path: pathlib.Path, summary: dict, out: pathlib.Path,
   """The CIFAR section of the RESULTS.md at `path`: <out>/notes.md verbatim,
   then everything generated from the raw runs."""
   notes = harness.read_notes(pathlib.Path(out) / "notes.md")
-  harness.write_section(path, SECTION, section_text(
+  harness.write_section(path, section_heading(out), section_text(
       summary, out, data, notes, pathlib.Path(path).parent))
 
 
@@ -1015,7 +1030,9 @@ def main(argv=None) -> dict:
     run_plan(bench, tasks, lambda: report(out, data.source, cfg.to_dict(),
                                           plots=False))
     print(f"sweep wall time {time.time() - t0:.0f}s", flush=True)
-  summary = report(out, data.source, cfg.to_dict())
+  # --report-only reports the folder's runs under their own configuration
+  # (a reference folder holds one: the tiny protocol's, the main one's).
+  summary = report(out, data.source, None if args.report_only else cfg.to_dict())
   if args.results_md:
     write_section(args.results_md, summary, out, data.source)
   print(f"results: {out}")
