@@ -1,7 +1,9 @@
 """What the Stiefel step costs: `stiefel_attention` against `optax.adamw`.
 
-    python -m benchmarks.speed            # full tables (10-20 min on 2 CPU cores)
-    python -m benchmarks.speed --quick    # tiny shapes: a smoke test
+    python -m benchmarks.speed              # full tables (10-20 min on 2 CPU
+                                            # cores, more with table 6)
+    python -m benchmarks.speed --quick      # tiny shapes: a smoke test
+    python -m benchmarks.speed --peer-only  # table 6 alone (geoopt)
 
 The full run's time is mostly LAPACK: the SVD of 32 (4096, 128) frames may
 use its whole child-process timeout (--timeout, 300 s) and report a hang.
@@ -34,8 +36,41 @@ Tables:
    a timeout: jaxlib's batched LAPACK calls can hang on some small CPU
    machines, and a hang is reported as such instead of stopping the run.
 
-Results: `--out DIR` (default benchmarks/results for a full run; none for
---quick) receives speed.json and speed.md. Machine load (`os.getloadavg`)
+6. The peer library geoopt (PyTorch, CPU): one step of
+   `geoopt.optim.RiemannianAdam` on `geoopt.EuclideanStiefel`
+   `ManifoldParameter`s (`optimizer.step()`, gradients already set) beside
+   one jitted `stiefel_adam` update plus `optax.apply_updates`, same lr
+   (1e-3), same float32 frames and gradients (NumPy, fixed seed), on
+   workload A, 24 leaves of (12, 768, 64) (GPT-2 small's Q/K kernels, one
+   frame per head), and B, 8 leaves of (4, 64, 16) (the patch ViT's): ms
+   per step of each, the ratio geoopt / ours, and the isometry error of
+   each after 20 steps from the same frames. Both Adams keep one second
+   moment per frame; ours caps the step (0.1) and retracts by polar
+   (Newton–Schulz), geoopt retracts by QR. geoopt runs in a long-lived
+   child process (benchmarks/peer_geoopt.py) under its own Python
+   environment, so torch never enters ours; the parent asks it over a pipe
+   to time k steps, then times k of ours, and so on in alternation; medians
+   over the rounds. torch gets as many threads as the cores jax may use
+   (`os.sched_getaffinity`). Where no peer Python is found, or it cannot
+   import torch and geoopt, the table says "skipped" and why, and the rest
+   of the run is unaffected. Set up the peer environment once (runs/ is
+   git-ignored; the torch wheel is PyTorch's CPU build, here a local file,
+   elsewhere `pip install torch --index-url
+   https://download.pytorch.org/whl/cpu`):
+
+       python3 -m venv runs/peer-venv
+       runs/peer-venv/bin/pip install \\
+           /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+       runs/peer-venv/bin/pip install geoopt numpy
+
+   runs/peer-venv/bin/python is the default `--peer-python`; `--quick` runs
+   the comparison on tiny shapes when it exists. `--peer-only --iters 3`
+   took 5 min on 2 CPU cores that another job kept busy, mostly workload A
+   (one geoopt step of its 288 frames: seconds).
+
+Results: `--out DIR` (default runs/speed for a full run, runs/speed_peer
+with --peer-only, none for --quick; `--out benchmarks/results` refreshes the
+committed figures) receives speed.json and speed.md. Machine load (`os.getloadavg`)
 is recorded before and after, with the BLAS environment variables.
 """
 
@@ -46,10 +81,13 @@ import dataclasses
 import json
 import os
 import platform
+import queue
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -60,6 +98,7 @@ import optax
 
 import stiefel_optax as so
 from benchmarks import harness
+from benchmarks import peer_geoopt
 from stiefel_optax import geometry
 
 QK = re.compile(so.specs.QK_KERNEL)
@@ -68,6 +107,7 @@ ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
 # Runs write under runs/ (git-ignored); `--out benchmarks/results` refreshes
 # the committed reference figures.
 DEFAULT_OUT = str(harness.default_out("speed"))
+DEFAULT_PEER_OUT = str(harness.default_out("speed_peer"))   # --peer-only
 
 
 # --------------------------------------------------------------------------
@@ -512,6 +552,236 @@ def retraction_table(shapes, iters: int, timeout: float, quick: bool = False):
 
 
 # --------------------------------------------------------------------------
+# Peer comparison: geoopt's RiemannianAdam, in a child process under its own
+# Python environment (torch stays out of ours).
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerWorkload:
+  name: str
+  leaves: int
+  shape: tuple         # (heads, d, r): one frame (d, r) per head
+  k: int               # steps per timed batch of each side
+
+
+PEER_WORKLOADS = (
+    PeerWorkload("A: GPT-2 small Q/K kernels", 24, (12, 768, 64), 3),
+    PeerWorkload("B: patch ViT Q/K kernels", 8, (4, 64, 16), 50))
+PEER_QUICK = (PeerWorkload("A, quick", 2, (2, 64, 16), 5),
+              PeerWorkload("B, quick", 2, (2, 16, 4), 5))
+PEER_LR = 1e-3
+PEER_ISO_STEPS = 20
+PEER_SEED = 0
+DEFAULT_PEER_PYTHON = str(harness.REPO / "runs" / "peer-venv" / "bin" / "python")
+PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           "peer_geoopt.py")
+PEER_SETUP_HINT = ("set up runs/peer-venv as benchmarks/speed.py's docstring"
+                   " shows, or pass --peer-python")
+
+
+class PeerError(RuntimeError):
+  """The peer child did not answer, answered an error, or exited."""
+
+
+class PeerChild:
+  """benchmarks/peer_geoopt.py running under `python`, driven by JSON lines
+  (one request, one answer; see that module's docstring).
+
+  A reader thread queues the child's stdout lines, so that every answer is
+  awaited at most `timeout` seconds; stderr goes to a temporary file whose
+  tail explains a failure.
+  """
+
+  def __init__(self, python: str, threads: int, timeout: float):
+    self.timeout = timeout
+    self._err = tempfile.TemporaryFile(mode="w+")
+    try:
+      self._proc = subprocess.Popen(
+          [python, PEER_SCRIPT, "--threads", str(threads)],
+          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+          text=True, bufsize=1)
+    except OSError as e:
+      self._err.close()
+      raise PeerError(f"cannot start {python}: {e}") from e
+    self._lines = queue.Queue()
+    threading.Thread(target=self._read, daemon=True).start()
+    try:
+      self.hello = self._answer()
+    except PeerError:
+      self.close()
+      raise
+
+  def _read(self):
+    for line in self._proc.stdout:
+      self._lines.put(line)
+    self._lines.put(None)             # EOF: the child exited
+
+  def _stderr_tail(self) -> str:
+    self._err.seek(0)
+    return self._err.read().strip()[-1000:]
+
+  def _answer(self) -> dict:
+    try:
+      line = self._lines.get(timeout=self.timeout)
+    except queue.Empty:
+      raise PeerError(f"no answer within {self.timeout:g} s") from None
+    if line is None:
+      raise PeerError(f"the peer exited (rc {self._proc.wait()}):"
+                      f" {self._stderr_tail()}")
+    msg = json.loads(line)
+    if "error" in msg:
+      raise PeerError(msg["error"])
+    return msg
+
+  def ask(self, **request) -> dict:
+    """Sends one request and returns its answer."""
+    try:
+      self._proc.stdin.write(json.dumps(request) + "\n")
+      self._proc.stdin.flush()
+    except (BrokenPipeError, OSError) as e:
+      raise PeerError(f"the peer exited: {e}; {self._stderr_tail()}") from e
+    return self._answer()
+
+  def close(self):
+    try:
+      self._proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+      self._proc.stdin.close()
+      self._proc.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+      self._proc.kill()
+      self._proc.wait()
+    self._err.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def _peer_arrays(w: PeerWorkload, seed: int = PEER_SEED):
+  """The workload's frames and gradients as lists of jax arrays: the same
+  NumPy values the peer builds from the same seed."""
+  return ([jnp.asarray(x) for x in peer_geoopt.frames(seed, w.leaves, w.shape)],
+          [jnp.asarray(g)
+           for g in peer_geoopt.gradients(seed, w.leaves, w.shape)])
+
+
+def our_step(lr: float = PEER_LR):
+  """(tx, step): `stiefel_adam(lr)` and one jitted update plus apply,
+  step(params, state, grads) -> (params, state). The leaves are stacks of
+  frames (heads, d, r), the heads a batch axis."""
+  tx = so.stiefel_adam(lr)
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx, step
+
+
+def time_our_steps(step, params, state, grads, k: int):
+  """(wall s, CPU s) per step over k steps in a row, the last one timed to
+  `block_until_ready`, and the (params, state) they end with."""
+  start, start_cpu = time.perf_counter(), time.process_time()
+  for _ in range(k):
+    params, state = step(params, state, grads)
+  jax.block_until_ready(params)
+  return ((time.perf_counter() - start) / k,
+          (time.process_time() - start_cpu) / k), params, state
+
+
+def our_isometry_after(step, tx, params, grads, steps: int) -> float:
+  """`peer_geoopt.isometry_error_f64` after `steps` steps from a fresh
+  state."""
+  state = tx.init(params)
+  for _ in range(steps):
+    params, state = step(params, state, grads)
+  return peer_geoopt.isometry_error_f64([np.asarray(p) for p in params])
+
+
+def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
+             lr: float = PEER_LR, iso_steps: int = PEER_ISO_STEPS,
+             warmup: int = 2) -> Dict[str, Any]:
+  """One workload: `rounds` alternated batches (geoopt's k steps in the
+  child, then ours k), medians of the per-step times of the batches, and
+  both sides' isometry errors after `iso_steps` steps from the same
+  frames."""
+  params, grads = _peer_arrays(w)
+  tx, step = our_step(lr)
+  state = tx.init(params)
+  for _ in range(warmup):                # compilation, then a warm step
+    params, state = jax.block_until_ready(step(params, state, grads))
+  child.ask(cmd="setup", leaves=w.leaves, shape=list(w.shape), lr=lr,
+            seed=PEER_SEED, warmup=warmup)
+  times = {"ours": [], "geoopt": []}
+  cpus = {"ours": [], "geoopt": []}
+  for _ in range(rounds):
+    peer = child.ask(cmd="time", k=w.k)
+    times["geoopt"].append(peer["wall_s"])
+    cpus["geoopt"].append(peer["cpu_s"])
+    (wall, cpu), params, state = time_our_steps(step, params, state, grads,
+                                                w.k)
+    times["ours"].append(wall)
+    cpus["ours"].append(cpu)
+  t = {k: statistics.median(v) for k, v in times.items()}
+  c = {k: statistics.median(v) for k, v in cpus.items()}
+  start_params, _ = _peer_arrays(w)
+  peer_iso = child.ask(cmd="isometry", steps=iso_steps)
+  return {"workload": w.name, "leaves": w.leaves, "shape": list(w.shape),
+          "frames": w.leaves * w.shape[0], "k": w.k, "rounds": rounds,
+          "ours_ms": 1e3 * t["ours"], "geoopt_ms": 1e3 * t["geoopt"],
+          "ratio": t["geoopt"] / t["ours"],
+          "ours_cpu_ms": 1e3 * c["ours"], "geoopt_cpu_ms": 1e3 * c["geoopt"],
+          "cpu_ratio": c["geoopt"] / c["ours"],
+          "iso_steps": iso_steps,
+          "ours_iso_err": our_isometry_after(step, tx, start_params, grads,
+                                             iso_steps),
+          "geoopt_iso_err": peer_iso["iso_err"],
+          "start_iso_err": peer_iso["start"]}
+
+
+def peer_missing(python: Optional[str]) -> Optional[str]:
+  """Why the peer cannot run at all (no such interpreter), or None."""
+  if not python:
+    return f"no peer Python given; {PEER_SETUP_HINT}"
+  if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+    return f"no peer Python at {python}; {PEER_SETUP_HINT}"
+  return None
+
+
+def peer_comparison(python: Optional[str], workloads=PEER_WORKLOADS,
+                    rounds: int = 11, timeout: float = 300.0,
+                    threads: Optional[int] = None) -> Dict[str, Any]:
+  """Table 6, or {"status": "skipped" | "failed", "message": why}.
+
+  torch gets `threads` threads (default: as many as the cores jax may use).
+  Skipped: no peer Python, or it cannot import torch and geoopt. Failed:
+  the peer broke off mid-run (the rows done so far are kept).
+  """
+  missing = peer_missing(python)
+  if missing:
+    return {"status": "skipped", "message": missing}
+  cores = len(os.sched_getaffinity(0))
+  res = {"peer_python": python, "threads": cores, "lr": PEER_LR, "rows": []}
+  try:
+    child = PeerChild(python, threads or cores, timeout)
+  except PeerError as e:
+    return {"status": "skipped", "message": f"{e}; {PEER_SETUP_HINT}",
+            "peer_python": python}
+  with child:
+    res.update(torch=child.hello["torch"], geoopt=child.hello["geoopt"],
+               torch_threads=child.hello["threads"])
+    try:
+      for w in workloads:
+        res["rows"].append(peer_row(child, w, rounds))
+    except PeerError as e:
+      return {**res, "status": "failed", "message": str(e)}
+  return {**res, "status": "ok"}
+
+
+# --------------------------------------------------------------------------
 # Report.
 
 
@@ -519,19 +789,11 @@ def _fmt_ms(x):
   return f"{x:.2f}" if x < 10 else f"{x:.1f}"
 
 
-def markdown(res: Dict[str, Any]) -> str:
-  out = [f"# Speed: stiefel_attention vs optax.adamw{' (quick)' if res['quick'] else ''}",
-         "",
-         f"Command: `{res['command']}`. {res['machine']}. Load average"
-         f" (1/5/15 min) before {res['load_before']}, after"
-         f" {res['load_after']}. Times: medians of jitted calls after"
-         " warm-up, both sides alternated in the same run; ms are wall-clock,"
-         " CPU ms the process's CPU time per call (all threads; steadier"
-         " when other jobs share the cores).", ""]
-  out += ["## One optimizer update", "",
-          "| tree | params | Q/K frames | adamw ms | stiefel_attention ms | ratio"
-          " | ratio of CPU time |",
-          "|---|---:|---:|---:|---:|---:|---:|"]
+def _md_update(res) -> list:
+  out = ["## One optimizer update", "",
+         "| tree | params | Q/K frames | adamw ms | stiefel_attention ms | ratio"
+         " | ratio of CPU time |",
+         "|---|---:|---:|---:|---:|---:|---:|"]
   for u in res["update"]:
     out.append(f"| {u['tree']} | {u['params'] / 1e6:.2f} M | {u['qk_frames']}"
                f" | {_fmt_ms(u['adamw_ms'])} | {_fmt_ms(u['stiefel_ms'])} |"
@@ -543,25 +805,36 @@ def markdown(res: Dict[str, Any]) -> str:
     out.append(f"| {k} | {_fmt_ms(v)} | {_fmt_ms(prof['parts_cpu_ms'][k])} |")
   out += ["", f"{prof['frames']} frames of ({prof['d']}, {prof['r']}); the"
           f" floor's products run at {prof['floor_gflops_per_s']:.1f} GFLOP/s."]
+  return out
+
+
+def _md_train_step(res) -> list:
   t = res["train_step"]
-  out += ["", "## One training step (forward, backward, update, apply)", "",
+  return ["## One training step (forward, backward, update, apply)", "",
           "| model | params | adamw ms | stiefel_attention ms | ratio |"
           " ratio of CPU time |",
           "|---|---:|---:|---:|---:|---:|",
           f"| {t['model']} | {t['params'] / 1e6:.2f} M | {_fmt_ms(t['adamw_ms'])}"
           f" | {_fmt_ms(t['stiefel_ms'])} | {t['ratio']:.3f} |"
           f" {t['cpu_ratio']:.3f} |"]
-  out += ["", "## Optimizer state of the Q/K kernels", "",
-          "| tree | Q/K params MB | adamw MB | stiefel_attention MB | ratio |",
-          "|---|---:|---:|---:|---:|"]
+
+
+def _md_state(res) -> list:
+  out = ["## Optimizer state of the Q/K kernels", "",
+         "| tree | Q/K params MB | adamw MB | stiefel_attention MB | ratio |",
+         "|---|---:|---:|---:|---:|"]
   for s in res["state"]:
     out.append(f"| {s['tree']} | {s['qk_param_bytes'] / 2**20:.2f} |"
                f" {s['adamw_bytes'] / 2**20:.2f} | {s['stiefel_bytes'] / 2**20:.2f}"
                f" | {s['ratio']:.4f} |")
-  out += ["", "## Polar retraction of a batch of d / r heads, float32", "",
-          "| method | (d, r) x heads | ms | isometry error, delta 0.1 |"
-          " isometry error, delta 1 |",
-          "|---|---|---:|---:|---:|"]
+  return out
+
+
+def _md_retraction(res) -> list:
+  out = ["## Polar retraction of a batch of d / r heads, float32", "",
+         "| method | (d, r) x heads | ms | isometry error, delta 0.1 |"
+         " isometry error, delta 1 |",
+         "|---|---|---:|---:|---:|"]
   for r in res["retraction"]:
     name = r["method"]
     if "ns_steps_delta_0.1" in r:
@@ -576,17 +849,92 @@ def markdown(res: Dict[str, Any]) -> str:
           " Q^T Q formed in float64. Newton–Schulz is timed sized for"
           " delta = 0.1 (the default cap); its delta = 1 error uses the steps"
           " sized for delta = 1."]
+  return out
+
+
+PEER_TITLE = ("## Peer: geoopt's RiemannianAdam on EuclideanStiefel"
+              " (PyTorch, CPU)")
+
+
+def _md_peer(res) -> list:
+  p = res["peer"]
+  out = [PEER_TITLE, ""]
+  if p["status"] == "skipped":
+    return out + [f"Skipped: {p['message']}."]
+  out += ["| workload | leaves x (heads, d, r) | stiefel_adam ms | geoopt ms"
+          " | geoopt / ours | ratio of CPU time | isometry error, ours |"
+          " isometry error, geoopt |",
+          "|---|---|---:|---:|---:|---:|---:|---:|"]
+  for r in p["rows"]:
+    h, d, k = r["shape"]
+    out.append(f"| {r['workload']} | {r['leaves']} x ({h}, {d}, {k}) |"
+               f" {_fmt_ms(r['ours_ms'])} | {_fmt_ms(r['geoopt_ms'])} |"
+               f" {r['ratio']:.2f} | {r['cpu_ratio']:.2f} |"
+               f" {r['ours_iso_err']:.1e} | {r['geoopt_iso_err']:.1e} |")
+  if p["status"] != "ok":
+    out += ["", f"Failed after {len(p['rows'])} workload(s): {p['message']}"]
+  if p["rows"]:
+    r = p["rows"][0]
+    out += ["", f"One step each, lr {p['lr']:g}, same float32 frames and"
+            " gradients (NumPy, fixed seed): ours one jitted `stiefel_adam`"
+            " update plus `optax.apply_updates`, geoopt one"
+            " `optimizer.step()` with the gradients set. Medians over"
+            f" {r['rounds']} rounds, each geoopt's k steps (in the child"
+            " process) then ours k (k per workload: "
+            + ", ".join(f"{x['k']}" for x in p["rows"]) + "). torch"
+            f" {p['torch']} ({p['torch_threads']} threads), geoopt"
+            f" {p['geoopt']}; jax on {p['threads']} cores. Isometry error:"
+            f" max ||W^T W - I||_F (float64) after {r['iso_steps']} steps"
+            f" from the same frames (start: {r['start_iso_err']:.1e}). Both"
+            " keep one second moment per frame; ours caps the step at 0.1"
+            " and retracts by polar (Newton–Schulz), geoopt by QR."]
+  return out
+
+
+MD_SECTIONS = (("update", _md_update), ("train_step", _md_train_step),
+               ("state", _md_state), ("retraction", _md_retraction),
+               ("peer", _md_peer))
+
+
+def markdown(res: Dict[str, Any]) -> str:
+  """The tables of the sections that `res` holds."""
+  title = ("stiefel_adam vs geoopt" if res.get("peer_only")
+           else "stiefel_attention vs optax.adamw")
+  out = [f"# Speed: {title}{' (quick)' if res['quick'] else ''}",
+         "",
+         f"Command: `{res['command']}`. {res['machine']}. Load average"
+         f" (1/5/15 min) before {res['load_before']}, after"
+         f" {res['load_after']}. Times: medians of jitted calls after"
+         " warm-up, both sides alternated in the same run; ms are wall-clock,"
+         " CPU ms the process's CPU time per call (all threads; steadier"
+         " when other jobs share the cores)."]
+  for key, section in MD_SECTIONS:
+    if key in res:
+      out += [""] + section(res)
   return "\n".join(out) + "\n"
 
 
+def _command(quick: bool, peer_only: bool, peer_threads: Optional[int]
+             ) -> str:
+  return ("python -m benchmarks.speed" + (" --quick" if quick else "")
+          + (" --peer-only" if peer_only else "")
+          + (f" --peer-threads {peer_threads}" if peer_threads else ""))
+
+
 def run(quick: bool = False, out: Optional[str] = None,
-        iters: Optional[int] = None, timeout: float = 300.0) -> Dict[str, Any]:
+        iters: Optional[int] = None, timeout: float = 300.0,
+        peer_python: Optional[str] = DEFAULT_PEER_PYTHON,
+        peer_only: bool = False,
+        peer_threads: Optional[int] = None) -> Dict[str, Any]:
+  """Every table (or, with `peer_only`, only the geoopt comparison); the
+  peer comparison runs under `peer_python` and is skipped without it."""
   iters = iters or (3 if quick else 11)
   load_before = [round(x, 2) for x in os.getloadavg()]
   trees = (GPT2_QUICK, VIT_QUICK) if quick else (GPT2_SMALL, PATCH_VIT)
   res = {
       "quick": quick,
-      "command": "python -m benchmarks.speed" + (" --quick" if quick else ""),
+      "peer_only": peer_only,
+      "command": _command(quick, peer_only, peer_threads),
       "machine": (f"{platform.machine()}, {os.cpu_count()} CPU cores, jax"
                   f" {jax.__version__} on {jax.default_backend()}"),
       "env": {k: os.environ.get(k) for k in ENV_KEYS},
@@ -599,14 +947,21 @@ def run(quick: bool = False, out: Optional[str] = None,
     res[name] = fn()
     res["seconds"][name] = round(time.perf_counter() - start, 1)
 
-  section("update", lambda: [update_comparison(cfg, iters, profile=i == 0)
-                             for i, cfg in enumerate(trees)])
-  section("train_step", lambda: train_step_comparison(
-      LM_QUICK if quick else LM_FULL, iters))
-  section("state", lambda: [qk_state_bytes(cfg) for cfg in trees])
-  section("retraction", lambda: retraction_table(
-      RETRACTION_SHAPES[:1] if quick else RETRACTION_SHAPES, iters, timeout,
-      quick))
+  if not peer_only:
+    section("update", lambda: [update_comparison(cfg, iters, profile=i == 0)
+                               for i, cfg in enumerate(trees)])
+    section("train_step", lambda: train_step_comparison(
+        LM_QUICK if quick else LM_FULL, iters))
+    section("state", lambda: [qk_state_bytes(cfg) for cfg in trees])
+    section("retraction", lambda: retraction_table(
+        RETRACTION_SHAPES[:1] if quick else RETRACTION_SHAPES, iters,
+        timeout, quick))
+  section("peer", lambda: peer_comparison(
+      peer_python, PEER_QUICK if quick else PEER_WORKLOADS, iters, timeout,
+      peer_threads))
+  if res["peer"]["status"] != "ok":
+    print(f"peer comparison (geoopt) {res['peer']['status']}:"
+          f" {res['peer']['message']}", file=sys.stderr)
   res["load_after"] = [round(x, 2) for x in os.getloadavg()]
   res["markdown"] = markdown(res)
   if out:
@@ -624,11 +979,23 @@ def main(argv: Optional[Sequence[str]] = None):
                       help="tiny shapes and 3 timed calls: a smoke test")
   parser.add_argument("--out", default=None,
                       help="directory for speed.json / speed.md (default:"
-                      " benchmarks/results, or none with --quick)")
+                      " runs/speed, runs/speed_peer with --peer-only, none"
+                      " with --quick)")
   parser.add_argument("--iters", type=int, default=None,
-                      help="timed calls per function (default 11; 3 quick)")
+                      help="timed calls per function, and rounds of the"
+                      " peer comparison (default 11; 3 quick)")
   parser.add_argument("--timeout", type=float, default=300.0,
-                      help="seconds for each eigh / SVD child process")
+                      help="seconds for each eigh / SVD child process, and"
+                      " for each answer of the peer child")
+  parser.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON,
+                      help="a Python with torch and geoopt for the peer"
+                      " comparison (default: runs/peer-venv/bin/python;"
+                      " skipped where absent)")
+  parser.add_argument("--peer-only", action="store_true",
+                      help="only the geoopt comparison")
+  parser.add_argument("--peer-threads", type=int, default=None,
+                      help="torch.set_num_threads of the peer (default: the"
+                      " cores jax may use, os.sched_getaffinity)")
   parser.add_argument("--retraction-child", default=None,
                       help=argparse.SUPPRESS)
   parser.add_argument("--shapes", default=None, help=argparse.SUPPRESS)
@@ -638,8 +1005,13 @@ def main(argv: Optional[Sequence[str]] = None):
     retraction_rows(args.retraction_child, shapes, args.iters or 11,
                     emit=lambda row: print("ROW " + json.dumps(row), flush=True))
     return
-  out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
-  res = run(args.quick, out, args.iters, args.timeout)
+  # A peer-only run has its own default folder, so that it does not replace
+  # a full run's speed.json with one table.
+  default = (None if args.quick else
+             DEFAULT_PEER_OUT if args.peer_only else DEFAULT_OUT)
+  out = args.out if args.out is not None else default
+  res = run(args.quick, out, args.iters, args.timeout, args.peer_python,
+            args.peer_only, args.peer_threads)
   print(res["markdown"])
   if out:
     print(f"wrote {os.path.join(out, 'speed.json')} and speed.md")

@@ -67,3 +67,80 @@ def test_retractions_report_isometry(quick):
       assert r["iso_err_delta_0.1"] <= 1e-5 and r["iso_err_delta_1"] <= 1e-5
     elif "status" not in r:   # eigh / SVD may report a LAPACK hang instead
       assert r["iso_err_delta_0.1"] <= 1e-4
+
+
+# --------------------------------------------------------------------------
+# The geoopt comparison (`--peer-only`): its skip paths need no torch; the
+# run itself needs the peer environment (runs/peer-venv, see
+# benchmarks/speed.py), which CI does not have.
+
+PEER_PYTHON = os.path.join(ROOT, "runs", "peer-venv", "bin", "python")
+needs_peer = pytest.mark.skipif(
+    not os.access(PEER_PYTHON, os.X_OK),
+    reason="no peer environment at runs/peer-venv (torch, geoopt)")
+
+
+def _peer_only(tmp_path, *args):
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.speed", "--peer-only", "--quick",
+       "--out", str(tmp_path), *args],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / "speed.json") as f:
+    res = json.load(f)
+  return res, (tmp_path / "speed.md").read_text(), proc
+
+
+def test_peer_module_imports_no_jax():
+  """The child runs where jax is absent: torch, geoopt, NumPy and the
+  standard library only."""
+  import ast  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(ROOT, "benchmarks", "peer_geoopt.py")) as f:
+    tree = ast.parse(f.read())
+  names = {a.name.split(".")[0] for n in ast.walk(tree)
+           if isinstance(n, ast.Import) for a in n.names}
+  names |= {n.module.split(".")[0] for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module}
+  allowed = {"torch", "geoopt", "numpy", "__future__"}
+  assert names - allowed <= set(sys.stdlib_module_names), names
+
+
+def test_peer_skipped_without_peer_python(tmp_path):
+  res, md, proc = _peer_only(tmp_path, "--peer-python",
+                             str(tmp_path / "no-such-python"))
+  assert set(res) >= {"peer", "load_after"} and "update" not in res
+  assert res["peer"]["status"] == "skipped"
+  assert "no peer Python at" in res["peer"]["message"]
+  assert "Skipped: no peer Python at" in md
+  assert "peer comparison (geoopt) skipped" in proc.stderr
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("torch") is not None,
+    reason="this environment has torch")
+def test_peer_skipped_where_torch_is_absent(tmp_path):
+  """A Python without torch (ours): skipped, with the import error."""
+  res, md, _ = _peer_only(tmp_path, "--peer-python", sys.executable)
+  assert res["peer"]["status"] == "skipped"
+  assert "cannot import torch / geoopt" in res["peer"]["message"]
+  assert "Skipped: cannot import torch / geoopt" in md
+
+
+@needs_peer
+def test_peer_tiny_run():
+  """One tiny workload, one round, in this process (the CLI path is the skip
+  tests'); torch on one thread, since two wait on each other for a core
+  when other jobs keep both busy."""
+  from benchmarks import speed  # pylint: disable=g-import-not-at-top
+  tiny = speed.PeerWorkload("tiny", 2, (2, 16, 4), 2)
+  peer = speed.peer_comparison(PEER_PYTHON, (tiny,), rounds=1, timeout=120,
+                               threads=1)
+  assert peer["status"] == "ok", peer
+  assert peer["torch_threads"] == 1 and peer["geoopt"]
+  (r,) = peer["rows"]
+  assert r["ours_ms"] > 0 and r["geoopt_ms"] > 0
+  assert r["ratio"] == pytest.approx(r["geoopt_ms"] / r["ours_ms"])
+  # Both stay on the manifold in float32 after 20 small steps.
+  assert r["ours_iso_err"] < 1e-5 and r["geoopt_iso_err"] < 1e-5
+  assert r["start_iso_err"] < 1e-6
+  assert "geoopt / ours" in "\n".join(speed._md_peer({"peer": peer}))
