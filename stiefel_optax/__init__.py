@@ -9,8 +9,8 @@ from stiefel_optax.geometry import (
     isometry_error, newton_schulz_steps, polar, project_tangent,
     random_frames, retract, sym)
 from stiefel_optax.transforms import (
-    ScaleByFrameAdamState, clip_frame_norm, project_to_tangent,
-    retract_polar, scale_by_frame_adam)
+    ScaleByFrameAdamState, check_orthonormal_start, clip_frame_norm,
+    project_to_tangent, retract_polar, scale_by_frame_adam, tangent_sq_norm)
 from stiefel_optax.aliases import riemannian_sgd, stiefel_adam
 from stiefel_optax.muon import (
     ScaleByTangentMsignState, msign, scale_by_tangent_msign, stiefel_muon,
@@ -24,4 +24,4 @@ from stiefel_optax.initializers import orthonormal_heads_init, orthonormalize
 from stiefel_optax.diagnostics import (
     check_frames, frame_isometry_errors, frame_movement, max_isometry_error)
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

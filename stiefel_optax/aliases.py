@@ -46,7 +46,8 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
   Per frame W with Euclidean gradient G:
 
       g   = P_W(G) = G - W sym(W^T G)
-      m   = b1 P_W(m) + (1 - b1) g,    v = b2 v + (1 - b2) ||g||_F^2
+      m   = b1 P_W(m) + (1 - b1) g = P_W(b1 m + (1 - b1) G)
+      v   = b2 v + (1 - b2) ||g||_F^2,  ||g||_F^2 = ||G||_F^2 - ||sym(W^T G)||_F^2
       xi  = -lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
       xi  = xi min(1, max_step_norm / ||xi||_F)
       W+  = polar(W + xi)
@@ -77,9 +78,14 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
   >>> round(float(jnp.trace(w.T @ a @ w)), 3), bool(so.isometry_error(w) < 1e-5)
   (13.0, True)
   """
+  # The moment projects the momentum mix itself (one projection, five
+  # d x r x r products per step with the retraction); the first link only
+  # checks the start. The state has the structure of the unfused chain
+  # (project_to_tangent, scale_by_frame_adam, ...), so checkpoints restore.
   return optax.chain(
-      transforms.project_to_tangent(orthonormal_start),
-      transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype),
+      transforms.check_orthonormal_start(orthonormal_start),
+      transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype,
+                                     project=True),
       optax.scale_by_learning_rate(learning_rate),
       *_cap_and_retract(max_step_norm, retraction))
 

@@ -155,6 +155,30 @@ def check_start(name: str, frames, orthonormal_start: str = "check",
 # Tangent projection.
 
 
+def _start_init(name: str, orthonormal_start: str):
+  """The init of a chain's first link: checks the leaves and the start
+  (`check_start`), naming the leaf."""
+  def init_fn(params):
+    check_frame_leaves(params, name)
+
+    def check(path, w):
+      where = f"{name}: parameter {jax.tree_util.keystr(path) or '<root>'}"
+      hint = ""
+      if w.ndim >= 3:
+        hint = (f" Its last two axes are taken as the frames (d, r) ="
+                f" {tuple(w.shape[-2:])}; if this is a (d, heads, head_dim)"
+                " kernel, train it through stiefel_optax.stiefel_attention("
+                "..., frames=...) or frame_partition(tx, None,"
+                " frames=FrameSpec(rows=0, cols=2)).")
+      check_start(f"{where} (shape {tuple(w.shape)})", w, orthonormal_start,
+                  fix="Orthonormalize it first (stiefel_optax.polar(w)). ",
+                  hint=hint)
+
+    jax.tree_util.tree_map_with_path(check, params)
+    return optax.EmptyState()
+  return init_fn
+
+
 def project_to_tangent(orthonormal_start: str = "check"
                        ) -> optax.GradientTransformation:
   """Replaces each gradient G by its Riemannian gradient P_W(G).
@@ -163,7 +187,7 @@ def project_to_tangent(orthonormal_start: str = "check"
   manifold, so Euclidean weight decay placed before this transform has no
   effect on a frame.
 
-  As the first link of every Stiefel chain it also checks the start: `init`
+  As the first link of a Stiefel chain it also checks the start: `init`
   on concrete frames raises a ValueError naming the leaf when a frame is
   rank-deficient or (orthonormal_start="check") not orthonormal; with
   "project" the first retraction lands such frames on the manifold.
@@ -177,33 +201,40 @@ def project_to_tangent(orthonormal_start: str = "check"
   """
   check_orthonormal_start_arg(orthonormal_start)
 
-  def init_fn(params):
-    check_frame_leaves(params, "project_to_tangent")
-
-    def check(path, w):
-      name = (f"project_to_tangent: parameter"
-              f" {jax.tree_util.keystr(path) or '<root>'}")
-      hint = ""
-      if w.ndim >= 3:
-        hint = (f" Its last two axes are taken as the frames (d, r) ="
-                f" {tuple(w.shape[-2:])}; if this is a (d, heads, head_dim)"
-                " kernel, train it through stiefel_optax.stiefel_attention("
-                "..., frames=...) or frame_partition(tx, None,"
-                " frames=FrameSpec(rows=0, cols=2)).")
-      check_start(f"{name} (shape {tuple(w.shape)})", w, orthonormal_start,
-                  fix="Orthonormalize it first (stiefel_optax.polar(w)). ",
-                  hint=hint)
-
-    jax.tree_util.tree_map_with_path(check, params)
-    return optax.EmptyState()
-
   def update_fn(updates, state, params=None):
     _require_params(params, "project_to_tangent")
     check_update_shapes(updates, params, "project_to_tangent")
     return _per_frame(lambda g, w: geometry.project_tangent(w, g),
                       updates, params), state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(
+      _start_init("project_to_tangent", orthonormal_start), update_fn)
+
+
+def check_orthonormal_start(orthonormal_start: str = "check"
+                 ) -> optax.GradientTransformation:
+  """The start check of `project_to_tangent` without the projection: the
+  first link of a chain whose next link projects itself
+  (`scale_by_frame_adam(project=True)`, as in `stiefel_adam`). `init`
+  raises as `project_to_tangent`'s does; `update` checks shapes and passes
+  the gradients through unchanged.
+
+  >>> import jax, jax.numpy as jnp, stiefel_optax as so
+  >>> w = so.random_frames(jax.random.key(0), (8, 2))
+  >>> tx = so.check_orthonormal_start()
+  >>> g, _ = tx.update(jnp.ones((8, 2)), tx.init(w), w)
+  >>> bool((g == 1).all())
+  True
+  """
+  check_orthonormal_start_arg(orthonormal_start)
+
+  def update_fn(updates, state, params=None):
+    _require_params(params, "check_orthonormal_start")
+    check_update_shapes(updates, params, "check_orthonormal_start")
+    return updates, state
+
+  return optax.GradientTransformation(
+      _start_init("check_orthonormal_start", orthonormal_start), update_fn)
 
 
 # --------------------------------------------------------------------------
@@ -221,9 +252,39 @@ class ScaleByFrameAdamState(NamedTuple):
   nu: optax.Updates
 
 
+# Below this fraction of ||G||^2, ||P_W G||^2 is taken from the explicit
+# projection instead of ||G||^2 - ||sym(W^T G)||^2: the difference has an
+# absolute error of a few float32 roundings (and W's own isometry error)
+# times ||G||^2, so it keeps >= 4 digits above the threshold.
+CANCELLATION_THRESHOLD = 1e-2
+
+
+def tangent_sq_norm(w: jax.Array, g: jax.Array, a: jax.Array) -> jax.Array:
+  """||P_W(G)||_F^2 per frame, given A = W^T G, for W on the manifold.
+
+  ||P_W G||^2 = ||G||^2 - ||sym(A)||^2 (P_W G = G - W sym(A) and W sym(A)
+  is the normal part), so no d x r projection is formed. Where that
+  difference is below CANCELLATION_THRESHOLD ||G||^2 (a gradient nearly
+  normal to the manifold) float32 cancellation would spoil it, and the
+  frames of the leaf get the explicit ||G - W sym(A)||^2 instead (one more
+  d x r x r product, only when some frame of the leaf needs it).
+  """
+  total = jnp.sum(jnp.square(g), axis=(-2, -1))
+  fast = total - jnp.sum(jnp.square(geometry.sym(a)), axis=(-2, -1))
+  cancels = fast < CANCELLATION_THRESHOLD * total
+
+  def explicit(_):
+    exact = jnp.sum(jnp.square(g - w @ geometry.sym(a)), axis=(-2, -1))
+    return jnp.where(cancels, exact, fast)
+
+  # A non-finite total fails `cancels`: it stays non-finite (skipped).
+  return jax.lax.cond(jnp.any(cancels), explicit, lambda _: fast, None)
+
+
 def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                         *, mu_dtype: Optional[Any] = None,
-                        transport_momentum: bool = True
+                        transport_momentum: bool = True,
+                        project: bool = False
                         ) -> optax.GradientTransformation:
   """Riemannian Adam with one scalar second moment per frame.
 
@@ -237,6 +298,14 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   space at W (projection as vector transport). Because v is one scalar per
   frame, u is invariant to any rescaling of the gradient when eps = 0, and
   the step commutes with W -> QW for Q in O(d).
+
+  With project=True the incoming updates are Euclidean gradients G and the
+  transform takes g = P_W(G) itself, at the arithmetic floor: P_W is
+  linear, so m = P_W(b1 m + (1 - b1) G) is one projection of the momentum
+  mix, and ||g||^2 = ||G||^2 - ||sym(W^T G)||^2 (`tangent_sq_norm`): three
+  d x r x r products per frame (W^T G, W^T m, W S), against four for
+  `project_to_tangent` followed by this transform. Equal to that chain up
+  to rounding.
 
   Non-finite gradients: the library skips the frame. A frame whose gradient
   holds a NaN or Inf (or one so large that ||g||_F^2 overflows, which would
@@ -252,6 +321,8 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     b1, b2, eps: as in `optax.scale_by_adam`.
     mu_dtype: dtype of the first moment (default: that of the params).
     transport_momentum: if False, m is not projected (ablation).
+    project: if True, the updates are Euclidean gradients, projected here
+      (needs transport_momentum).
 
   >>> import jax, jax.numpy as jnp, stiefel_optax as so
   >>> w = so.random_frames(jax.random.key(0), (2, 8, 3))
@@ -267,6 +338,12 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   True
   """
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  if project and not transport_momentum:
+    raise ValueError(
+        "scale_by_frame_adam: project=True projects the momentum mix, so it"
+        " needs transport_momentum=True; for the ablation without transport"
+        " put project_to_tangent() before scale_by_frame_adam("
+        "transport_momentum=False).")
 
   def init_fn(params):
     check_frame_leaves(params, "scale_by_frame_adam")
@@ -293,11 +370,19 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       # the reduction that v needs anyway is the finiteness test, with no
       # boolean array written. A non-finite g then only reaches values that
       # the selects below replace, so g itself needs no select.
-      g_sq = jnp.sum(jnp.square(g), axis=(-2, -1))
+      if project:
+        mix = b1 * m_c + (1.0 - b1) * g
+        # W^T mix from W^T m and W^T G: the second also gives ||P_W G||^2.
+        a = geometry.gram(w, g)
+        g_sq = tangent_sq_norm(w, g, a)
+        m_new = mix - w @ geometry.sym(b1 * geometry.gram(w, m_c)
+                                       + (1.0 - b1) * a)
+      else:
+        g_sq = jnp.sum(jnp.square(g), axis=(-2, -1))
+        if transport_momentum:
+          m_c = geometry.project_tangent(w, m_c)
+        m_new = b1 * m_c + (1.0 - b1) * g
       finite = jnp.isfinite(g_sq)
-      if transport_momentum:
-        m_c = geometry.project_tangent(w, m_c)
-      m_new = b1 * m_c + (1.0 - b1) * g
       v_new = b2 * v + (1.0 - b2) * g_sq
       m_new = jnp.where(finite[..., None, None], m_new, m.astype(cdtype))
       v_new = jnp.where(finite, v_new, v)
