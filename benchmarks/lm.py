@@ -14,6 +14,14 @@ Stiefel attention optimizer and its alternatives as arms.
     python -m benchmarks.lm --quick          # toy size, 2 arms, well under 60 s
     python -m benchmarks.lm --report-only --out benchmarks/results/lm \\
         --results-md benchmarks/RESULTS.md   # the committed tables and section
+    python -m benchmarks.lm --study --out benchmarks/results/lm \\
+        --results-md benchmarks/RESULTS.md   # the whole study, one resumable
+                                             # command (its estimate first)
+    python -m benchmarks.lm --study --dry-run --out benchmarks/results/lm
+                                             # the study's time estimate only
+    python -m benchmarks.lm --study --quick  # the study's path at toy size
+    python -m benchmarks.lm --study --report-only --out benchmarks/results/lm
+                                             # the study's tables, from the runs
 
 Model (one definition, `GPT`): nanoGPT's `model.py` with its
 `train_shakespeare_char` settings: token and learned position embeddings,
@@ -72,6 +80,29 @@ same for every arm: the global norm of the whole gradient is clipped to
 `grad_clip` before any optimizer sees it (Stiefel-Adam and both Muons are
 invariant to the gradient's scale; RSGD and AdamW are not).
 
+The study (`--study`, `STUDY`; issue 14 under the fair-tuning rule of
+issue 12) turns the comparison into claims. (1) The nanoGPT reference:
+AdamW at nanoGPT's published settings, its own record (seeds 0-3), not the
+tuned adamw (if tuning lands on the same point the two share their runs).
+(2) Tuning on validation, every arm the same grid density: 3 half-decade
+points per hyperparameter (adamw, qk_norm and orthogonal_init: lr x weight
+decay; stiefel: Q/K lr x cap; rsgd, stiefel_muon, muon: Q/K lr; the non-Q/K
+weights of these four on adamw's chosen lr and weight decay), tuning seeds
+100-102, a point's score the mean over them of the whole-split validation
+loss, each grid widened geometrically past an edge its best point lands on
+(at most 3 times; `harness.tuned_axes`). Tuning runs use the 500-iteration
+schedule (decay to 500) on which the earlier tuning was done. (3) Paired
+runs at the CPU config: adamw and stiefel at discovery seeds 0-7 and
+confirmation seeds 500-507, the other arms at 0-5 and 500-505, every
+discovery seed before any confirmation seed. (4) The report: each arm
+against adamw and stiefel against each other arm, treatment - baseline in
+validation loss with its 95% CI, paired t, p, Holm-adjusted p across each
+table, wins and both arms' train loss, separately for discovery and
+confirmation seeds; a comparison is a finding only when its confirmation
+Holm p < 0.05 with the sign it had on discovery. The plan is a pure
+function of the finished runs, recomputed after each run: a rerun skips
+what is done, and `--study --report-only` regenerates the same bytes.
+
 Runs are saved per (arm, seed, configuration) under <out>/runs/, with a
 checkpoint while training, so a stopped study resumes; a saved run is reused
 only under the same identity (`benchmarks.harness`: the configuration's
@@ -84,6 +115,7 @@ is generated from every run in the folder.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -92,7 +124,7 @@ import math
 import pathlib
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -449,6 +481,25 @@ def keys(seed: int):
   return tuple(jax.random.fold_in(root, i) for i in (1, 2, 3))
 
 
+def train_config(cfg: Config) -> Config:
+  """cfg as one training chunk reads it: orthogonal_init trains as adamw
+  (it differs in its start only), and the run's length and evaluation size
+  are not read. Runs that agree here share one compiled chunk (the same
+  function, so the same numbers)."""
+  arm = "adamw" if cfg.arm == "orthogonal_init" else cfg.arm
+  return dataclasses.replace(cfg, arm=arm, max_iters=0, eval_iters=0)
+
+
+def eval_config(cfg: Config) -> Config:
+  """cfg as the evaluations read it (the model, batch and evaluation
+  sizes, not the optimizer): runs that agree here share one compiled
+  evaluation."""
+  return Config(arm="qk_norm" if cfg.arm == "qk_norm" else "adamw",
+                n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                block_size=cfg.block_size, batch_size=cfg.batch_size,
+                dropout=cfg.dropout, eval_iters=cfg.eval_iters)
+
+
 @functools.lru_cache(maxsize=None)
 def chunk_fn(cfg: Config, vocab_size: int):
   """jit(carry, start, train, seed keys) -> (carry, mean train loss) over
@@ -593,8 +644,8 @@ def train_run(cfg: Config, seed: int, corpus: Corpus,
   if saved is not None and ckpt.exists():
     run, carry = saved, load_checkpoint(ckpt, carry)
   hist = run["history"]
-  estimate, chunk = (estimate_fn(cfg, corpus.vocab_size),
-                     chunk_fn(cfg, corpus.vocab_size))
+  estimate, chunk = (estimate_fn(eval_config(cfg), corpus.vocab_size),
+                     chunk_fn(train_config(cfg), corpus.vocab_size))
   lr = lr_schedule(cfg, cfg.learning_rate)
   t0, c0, last_save = time.time(), time.process_time(), time.time()
 
@@ -634,7 +685,8 @@ def train_run(cfg: Config, seed: int, corpus: Corpus,
         save_checkpoint(ckpt, carry)
         store.save(name, run)
   if max_iters is None:
-    full = float(full_loss_fn(cfg, corpus.vocab_size)(carry[0], val))
+    full = float(full_loss_fn(eval_config(cfg), corpus.vocab_size)(carry[0],
+                                                                  val))
     timing()
     run["final"] = dict(step=done, train_loss=hist["train_loss"][-1],
                         val_loss=hist["val_loss"][-1], val_loss_full=full,
@@ -779,8 +831,9 @@ def fmt_p(p):
   return "n/a" if not np.isfinite(p) else f"{p:.3g}"
 
 
-def markdown(gs: dict, refs: list, comps: list, meta: dict,
-             notes: str = "") -> str:
+def setting_tables(gs: dict, refs: list, comps: list) -> list:
+  """The lines of the reference check (refs), then one table of runs per
+  setting with its paired comparisons (comps)."""
   lines = []
   if refs:
     lines += ["External reference (nanoGPT README, AdamW). Ours: nanoGPT's"
@@ -858,35 +911,52 @@ def markdown(gs: dict, refs: list, comps: list, meta: dict,
             f" {c['wins']}/{len(c['seeds'])} | {c['t']:.2f} | {fmt_p(c['p'])} |"
             f" {fmt_p(c['p_holm'])} |")
     lines.append("")
-  if notes:
-    lines += [notes, ""]
-  lines.append(
+  return lines
+
+
+def footer(meta: dict) -> list:
+  """The lines saying what trained the runs, where, and how to regenerate."""
+  lines = [
       f"Training: {meta['runs']} runs, {meta['run_wall_s']:.0f} s wall and"
       f" {meta['run_cpu_s']:.0f} s CPU summed; stiefel_optax"
       f" {', '.join(meta['library_versions'])}; corpus"
       f" {', '.join(meta['data'])}; machine:"
-      f" {'; '.join(meta['machines']) or 'not recorded'}.")
+      f" {'; '.join(meta['machines']) or 'not recorded'}."]
   if meta["commands"]:
     lines += ["", "Trained by: " + "; ".join(f"`{c}`" for c in
                                             meta["commands"]) + "."]
   lines += ["", f"Regenerate: `{meta['regenerate']}` (with `--results-md"
             " benchmarks/RESULTS.md`, also this section of RESULTS.md)."]
-  return "\n".join(lines).rstrip("\n") + "\n"
+  return lines
 
 
-def report(out: pathlib.Path) -> dict:
-  """results.json and table.md of `out` from its saved runs and notes.md."""
+def markdown(gs: dict, refs: list, comps: list, meta: dict,
+             notes: str = "") -> str:
+  lines = setting_tables(gs, refs, comps)
+  if notes:
+    lines += [notes, ""]
+  return "\n".join(lines + footer(meta)).rstrip("\n") + "\n"
+
+
+def report(out: pathlib.Path, study: Optional[str] = None) -> dict:
+  """results.json and table.md of `out` from its saved runs and notes.md.
+
+  study (a key of STUDIES): the study's report first (its tuning, choices,
+  paired comparisons and findings), then the tables of the folder's runs
+  outside the study's plan, without their ad hoc comparisons (the study's
+  tables are the only Holm family)."""
   recs = harness.RunStore(out).records()
   gs = groups(recs)
   if not gs:
     raise SystemExit(f"{harness.portable(out)}: no finished runs to report.")
-  refs, comps = reference_checks(gs), comparisons(gs)
   done = [r for g in gs.values() for r in g["runs"].values()]
   cmds = []
   for e in sorted((e for r in done for e in r["trained_by"] if e["command"]),
                   key=lambda e: e["started_utc"]):
     if e["command"] not in cmds:
       cmds.append(e["command"])
+  flags = "" if study is None else " --study" + (
+      "" if study == "full" else f" --{study}")
   meta = dict(
       runs=len(done), run_wall_s=sum(r["wall_s"] for r in done),
       run_cpu_s=sum(r["cpu_s"] for r in done),
@@ -894,15 +964,740 @@ def report(out: pathlib.Path) -> dict:
       data=sorted({r["data"] for r in done}),
       machines=sorted({harness.machine_line(r["machine"]) for r in done}),
       commands=cmds,
-      regenerate=f"python -m benchmarks.lm --report-only --out"
+      regenerate=f"python -m benchmarks.lm{flags} --report-only --out"
                  f" {harness.portable(out)}")
-  table = markdown(gs, refs, comps, meta, harness.read_notes(out / "notes.md"))
+  notes = harness.read_notes(out / "notes.md")
+  if study is None:
+    refs, comps = reference_checks(gs), comparisons(gs)
+    table = markdown(gs, refs, comps, meta, notes)
+    extra = {}
+  else:
+    spec = STUDIES[study]
+    index = finished_runs(recs, current_version=False)
+    data_id = study_data(index.values())
+    summary = study_summary(spec, index, data_id)
+    names = {task_name(t, data_id) for t in plan(spec, index, data_id)}
+    other = groups([r for r in recs if r["name"] not in names])
+    refs, comps = [], []
+    lines = study_markdown(spec, summary)
+    if other:
+      lines += ["The other runs in this folder (not in the study's plan;"
+                " no comparisons):", ""]
+      lines += setting_tables(other, [], [])
+    if notes:
+      lines += [notes, ""]
+    table = "\n".join(lines + footer(meta)).rstrip("\n") + "\n"
+    # The reference's records reduce to their names (the runs are saved).
+    summary["reference"]["runs"] = {sd: r["name"] for sd, r in
+                                    summary["reference"]["runs"].items()}
+    extra = dict(study=dict(name=study, **summary))
   harness.write_json(out / "results.json", dict(
       meta=meta, references=refs, comparisons=comps,
       groups={k: dict(config=g["config"], data=g["data"], **summarize(g))
-              for k, g in gs.items()}), indent=1)
+              for k, g in gs.items()}, **extra), indent=1)
   harness.write_text(out / "table.md", table)
-  return dict(table=table, references=refs, comparisons=comps, meta=meta)
+  return dict(table=table, references=refs, comparisons=comps, meta=meta,
+              **extra)
+
+
+# --------------------------------------------------------------------------
+# The study (issue 14): fair tuning on validation, then paired seeds, as one
+# resumable command (`--study`). Everything below is a pure function of the
+# study's specification and the finished runs, so a rerun recomputes the
+# same plan, skips what is done and picks up where it stopped.
+
+# The AdamW recipes tune AdamW's own lr and weight decay; every other arm
+# tunes its Q/K group on top of adamw's chosen lr and weight decay (its
+# non-Q/K weights are trained by that AdamW).
+OWN_ADAMW = ("adamw", "qk_norm", "orthogonal_init")
+# min_lr = lr / 10: nanoGPT's floor, and that of every run made so far.
+LR_FLOOR = 10
+# 3 half-decade points per hyperparameter, for every arm (fair tuning).
+ADAMW_GRID = (("learning_rate", (1e-3, 3e-3, 1e-2)),
+              ("weight_decay", (0.03, 0.1, 0.3)))
+STAGES = ("reference", "tune", "discovery", "confirmation")
+AXIS_LABELS = {"learning_rate": "lr", "weight_decay": "wd",
+               "stiefel_learning_rate": "Q/K lr", "max_step_norm": "cap",
+               "rsgd_learning_rate": "Q/K lr",
+               "stiefel_muon_learning_rate": "Q/K lr",
+               "muon_learning_rate": "Q/K lr"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """A study: tune every arm on validation, then paired seeds.
+
+  base: the paired runs' configuration (its arm is ignored); the nanoGPT
+  reference is base as it is (AdamW at nanoGPT's published settings), its
+  own record at reference_seeds. tune_iters: the tuning runs' schedule
+  (max_iters = lr_decay_iters; the rest as base). grids: ((arm, axes), ...)
+  in tuning order, axes ((Config field, values), ...). Each tuning point is
+  scored by the mean over tune_seeds of the whole-split validation loss
+  (lower is better); a grid is widened past the edges its best point lands
+  on, at most max_extensions times. main_arms run at main_seeds, the others
+  at other_seeds (discovery and confirmation seeds alike).
+  """
+  base: Config
+  tune_iters: int
+  tune_seeds: tuple
+  grids: tuple
+  main_arms: tuple
+  main_seeds: tuple
+  other_seeds: tuple
+  reference_seeds: tuple
+  max_extensions: int = 3
+
+  @property
+  def arms(self) -> tuple:
+    return tuple(arm for arm, _ in self.grids)
+
+  def axes(self, arm: str) -> tuple:
+    return dict(self.grids)[arm]
+
+  def seeds(self, arm: str) -> tuple:
+    return self.main_seeds if arm in self.main_arms else self.other_seeds
+
+
+# The study at nanoGPT's CPU config. Tuning on the 500-iteration schedule
+# (decay to 500) on which the earlier tuning runs were made (those runs
+# count where their identity, library version included, matches); tuning
+# seeds 100-102 are neither discovery nor confirmation seeds.
+# Grid centres: AdamW's earlier short-schedule best (4e-3, on its edge) and
+# nanoGPT's weight decay; Stiefel's earlier choice (0.3, 0.3); for RSGD the
+# Q/K tangent gradients' Frobenius norm per head (about 3e-3 at the start,
+# after the clip), so that lr 10 moves a frame as far as Stiefel-Adam's
+# lr 0.03-0.3; Stiefel-Muon's step is lr sqrt(head_dim) in Frobenius (so
+# 0.03 is about Stiefel-Adam's 0.2); Muon's consistent-RMS lr reads as
+# AdamW's. Stiefel-Muon and Muon have nothing else to tune here (momentum
+# 0.95 with Nesterov, Muon's defaults, as every Muon arm).
+STUDY = Study(
+    base=CPU, tune_iters=500, tune_seeds=(100, 101, 102),
+    grids=(("adamw", ADAMW_GRID),
+           ("stiefel", (("stiefel_learning_rate", (0.1, 0.3, 1.0)),
+                        ("max_step_norm", (0.1, 0.3, 1.0)))),
+           ("rsgd", (("rsgd_learning_rate", (3.0, 10.0, 30.0)),)),
+           ("stiefel_muon", (("stiefel_muon_learning_rate",
+                              (0.01, 0.03, 0.1)),)),
+           ("muon", (("muon_learning_rate", (1e-3, 3e-3, 1e-2)),)),
+           ("qk_norm", ADAMW_GRID),
+           ("orthogonal_init", ADAMW_GRID)),
+    main_arms=("adamw", "stiefel"),
+    main_seeds=harness.DISCOVERY_SEEDS[:8] + harness.CONFIRMATION_SEEDS[:8],
+    other_seeds=harness.DISCOVERY_SEEDS[:6] + harness.CONFIRMATION_SEEDS[:6],
+    reference_seeds=(0, 1, 2, 3))
+# The whole path at toy size (`--study --quick`, well under a minute): one
+# tuning seed, a 2-point AdamW grid (its best is on an edge, so it is
+# widened once), one point for the others, one non-main arm, two seeds per
+# block. Tuning on the paired schedule, so that each tuned configuration is
+# compiled once for both.
+QUICK_STUDY_BASE = dataclasses.replace(
+    QUICK, n_layer=1, n_embd=16, block_size=8, max_iters=20,
+    lr_decay_iters=20, eval_interval=10, eval_iters=2)
+QUICK_STUDY = Study(
+    base=QUICK_STUDY_BASE, tune_iters=20, tune_seeds=(100,),
+    grids=(("adamw", (("learning_rate", (1e-3, 1e-2)),
+                      ("weight_decay", (0.1,)))),
+           ("stiefel", (("stiefel_learning_rate", (0.3,)),
+                        ("max_step_norm", (0.3,)))),
+           ("orthogonal_init", (("learning_rate", (1e-2,)),
+                                ("weight_decay", (0.1,))))),
+    main_arms=("adamw", "stiefel"), main_seeds=(0, 1, 500, 501),
+    other_seeds=(0, 1, 500, 501), reference_seeds=(0,), max_extensions=1)
+STUDIES = {"full": STUDY, "quick": QUICK_STUDY}
+
+
+class Task(NamedTuple):
+  """One run of a study: its stage (STAGES), arm, configuration and seed;
+  provisional when it stands in for a choice not yet made (estimates)."""
+  stage: str
+  arm: str
+  cfg: Config
+  seed: int
+  provisional: bool = False
+
+
+def finished_runs(records: Sequence[dict], current_version: bool) -> dict:
+  """{name: record} of the finished runs whose identity checks: under this
+  library version (what a study reuses instead of training again, as
+  train_run does) or under the version each one records (what a report
+  shows)."""
+  out = {}
+  for r in records:
+    if r.get("final") is None:
+      continue
+    ok = (r.get("identity") == harness.identity(r["config"], r["data"])
+          if current_version else harness.matches(r))
+    if ok:
+      out[r["name"]] = r
+  return out
+
+
+def point_config(base: Config, arm: str, hp: Mapping, iters: int) -> Config:
+  """base for `arm` on a schedule of `iters` iterations (decayed to the
+  end) with the hyperparameters hp; an AdamW lr brings its floor lr / 10."""
+  hp = dict(hp)
+  if "learning_rate" in hp:
+    hp["min_lr"] = float(f"{hp['learning_rate'] / LR_FLOOR:.6g}")
+  return dataclasses.replace(base, arm=arm, max_iters=iters,
+                             lr_decay_iters=iters, **hp)
+
+
+def reference_config(study: Study) -> Config:
+  """nanoGPT's AdamW at its published settings (the base as it is)."""
+  return dataclasses.replace(study.base, arm="adamw")
+
+
+def centre(axes) -> dict:
+  """The middle point of a grid (what an estimate assumes before tuning)."""
+  return {name: vals[len(vals) // 2] for name, vals in axes}
+
+
+def tuning(study: Study, arm: str, base: Mapping, done: Mapping,
+           data_id: str) -> harness.Tuning:
+  """The arm's tuning grid (on top of the non-Q/K AdamW hp `base`), widened
+  as far as the finished runs in `done` call for."""
+  def scores_of(axes):
+    out = {}
+    for p in harness.grid_points(axes):
+      cfg = point_config(study.base, arm, {**base, **p}, study.tune_iters)
+      recs = [done.get(run_name(cfg, s, data_id)) for s in study.tune_seeds]
+      if any(r is None for r in recs):
+        return None
+      out[harness.point_key(p)] = mean([r["final"]["val_loss_full"]
+                                        for r in recs])
+    return out
+  return harness.tuned_axes(study.axes(arm), scores_of, study.max_extensions,
+                            higher_is_better=False)
+
+
+def arm_base(study: Study, arm: str, done: Mapping, data_id: str,
+             assume: bool = False) -> Optional[dict]:
+  """The non-Q/K AdamW hyperparameters of an arm's runs: {} for the AdamW
+  recipes (their grid sets them), else adamw's chosen point (None until
+  adamw's tuning is finished)."""
+  if arm in OWN_ADAMW:
+    return {}
+  c = choice(study, "adamw", done, data_id, assume)
+  return None if c is None else dict(c[0])
+
+
+def choice(study: Study, arm: str, done: Mapping, data_id: str,
+           assume: bool = False) -> Optional[tuple]:
+  """(point, base): the arm's best tuning point and its non-Q/K AdamW hp,
+  or None while its tuning (or adamw's, on which it builds) is unfinished;
+  with assume, the centre of the current grid stands in (estimates only)."""
+  base = arm_base(study, arm, done, data_id, assume)
+  if base is None:
+    return None
+  t = tuning(study, arm, base, done, data_id)
+  if t.finished:
+    return harness.best_point(t.axes, t.scores, higher_is_better=False), base
+  return (centre(t.axes), base) if assume else None
+
+
+def plan(study: Study, done: Mapping, data_id: str,
+         assume: bool = False) -> list:
+  """Every run of the study that the finished runs `done` let us name, in
+  the order to run them: the nanoGPT reference; the main arms' tuning
+  (adamw first: the others build on its choice); their discovery seeds;
+  the other arms' tuning and discovery seeds; then every confirmation seed
+  (seed-major, so a stopped study leaves whole pairs, and the discovery
+  table is complete before any confirmation seed runs). The list stops at
+  the first tuning that is unfinished (run its runs, then ask again: the
+  grid may widen); with assume, grid centres stand in for the choices not
+  yet made, and the whole study is listed (for estimates). A run two
+  stages name (the tuned adamw at nanoGPT's point is the reference) is
+  listed once, at the first."""
+  seen = set()
+  return [t for t in stages(study, done, data_id, assume)
+          if not ((n := task_name(t, data_id)) in seen or seen.add(n))]
+
+
+def stages(study: Study, done: Mapping, data_id: str, assume: bool) -> list:
+  """The plan's runs, stage by stage (see `plan`)."""
+  tasks = [Task("reference", "adamw", reference_config(study), s)
+           for s in study.reference_seeds]
+  paired = {}
+
+  def block_seeds(arms, block):
+    return sorted({s for a in arms for s in study.seeds(a)
+                   if harness.seed_block(s) == block})
+
+  def seed_major(arms, block, stage):
+    return [Task(stage, a, paired[a][0], s, paired[a][1])
+            for s in block_seeds(arms, block) for a in arms
+            if s in study.seeds(a)]
+
+  main = [a for a in study.arms if a in study.main_arms]
+  rest = [a for a in study.arms if a not in study.main_arms]
+  for arms in (main, rest):
+    for arm in arms:
+      base = arm_base(study, arm, done, data_id, assume)
+      if base is None:
+        return tasks
+      t = tuning(study, arm, base, done, data_id)
+      # Provisional: built on a choice assumed, not made (estimates only).
+      base_guessed = arm not in OWN_ADAMW and choice(
+          study, "adamw", done, data_id) is None
+      tasks += [Task("tune", arm, point_config(study.base, arm, {**base, **p},
+                                               study.tune_iters), s,
+                     base_guessed)
+                for p in harness.grid_points(t.axes)
+                for s in study.tune_seeds]
+      if not t.finished and not assume:
+        return tasks
+      point = (harness.best_point(t.axes, t.scores, higher_is_better=False)
+               if t.finished else centre(t.axes))
+      paired[arm] = (point_config(study.base, arm, {**base, **point},
+                                  study.base.max_iters),
+                     base_guessed or not t.finished)
+    tasks += seed_major(arms, "discovery", "discovery")
+  return tasks + seed_major(study.arms, "confirmation", "confirmation")
+
+
+def task_name(task: Task, data_id: str) -> str:
+  return run_name(task.cfg, task.seed, data_id)
+
+
+def remaining(study: Study, done: Mapping, data_id: str,
+              assume: bool = False) -> list:
+  """The plan's runs that are not finished."""
+  return [t for t in plan(study, done, data_id, assume)
+          if task_name(t, data_id) not in done]
+
+
+# Timing: what the runs so far took, per iteration, at the same size.
+TIMING_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
+                 "dropout", "eval_interval", "eval_iters")
+
+
+def timing_key(config: Mapping) -> str:
+  """The fields that set a run's time per iteration (not its lr)."""
+  return harness.digest([config[f] for f in TIMING_FIELDS])
+
+
+def iteration_rates(records: Sequence[dict]) -> dict:
+  """{(timing key, arm or None): wall seconds per iteration} of the
+  finished runs (compilation and evaluations included), per arm and pooled
+  over the arms."""
+  wall, iters = {}, {}
+  for r in records:
+    if r.get("final") is None or not r["final"].get("step"):
+      continue
+    for k in ((timing_key(r["config"]), r["config"]["arm"]),
+              (timing_key(r["config"]), None)):
+      wall[k] = wall.get(k, 0.0) + r["wall_s"]
+      iters[k] = iters.get(k, 0) + r["final"]["step"]
+  return {k: wall[k] / iters[k] for k in wall}
+
+
+def run_seconds(cfg: Config, rates: Mapping,
+                probed: Optional[tuple] = None) -> Optional[float]:
+  """A run's expected wall time: from a probe (per_step, compile_s) if
+  given (not counting the compilation: see `estimate`), else from the
+  rates of the arm's runs of this size, else of any arm's (compilation
+  included); None if nothing of this size has run."""
+  if probed is not None:
+    return projected_seconds([cfg], probed[0], 0.0)
+  key = timing_key(dataclasses.asdict(cfg))
+  rate = rates.get((key, cfg.arm), rates.get((key, None)))
+  return None if rate is None else rate * cfg.max_iters
+
+
+def widening_bound(study: Study, done: Mapping, data_id: str) -> list:
+  """[(tuning Task, extra points)]: how many more points each unfinished
+  grid would have if every axis of it widened at each widening left (an
+  upper bound; the plan counts the current grid only)."""
+  out = []
+  for arm in study.arms:
+    base = arm_base(study, arm, done, data_id, assume=True)
+    t = tuning(study, arm, base, done, data_id)
+    if t.finished:
+      continue
+    left = study.max_extensions - t.widenings
+    now = math.prod(len(v) for _, v in t.axes)
+    most = math.prod(len(v) + (left if len(v) >= 2 else 0) for _, v in t.axes)
+    cfg = point_config(study.base, arm, {**base, **centre(t.axes)},
+                       study.tune_iters)
+    out.append((Task("tune", arm, cfg, study.tune_seeds[0], True),
+                most - now))
+  return out
+
+
+def estimate(study: Study, done: Mapping, data_id: str, rates: Mapping,
+             probed: Optional[tuple] = None) -> dict:
+  """The runs left to do per stage and their expected wall seconds (None
+  where no run of that size has been timed), and the widening bound."""
+  tasks = remaining(study, done, data_id, assume=True)
+  runs = {st: sum(t.stage == st for t in tasks) for st in STAGES}
+  secs = [run_seconds(t.cfg, rates, probed) for t in tasks]
+  if probed is not None:   # one compilation per configuration, not per run
+    first = {}
+    for i, t in enumerate(tasks):
+      first.setdefault(train_config(t.cfg), i)
+    for i in first.values():
+      secs[i] += probed[1]
+  seconds = {st: sum(s or 0.0 for t, s in zip(tasks, secs) if t.stage == st)
+             for st in STAGES}
+  widen = widening_bound(study, done, data_id)
+  wruns = sum(n * len(study.tune_seeds) for _, n in widen)
+  compile_s = 0.0 if probed is None else probed[1]
+  wsecs = sum(n * (len(study.tune_seeds)
+                   * (run_seconds(t.cfg, rates, probed) or 0.0) + compile_s)
+              for t, n in widen)
+  return dict(runs=runs, seconds=seconds, untimed=sum(s is None for s in secs),
+              provisional=sum(t.provisional for t in tasks),
+              widening_runs=wruns, widening_seconds=wsecs,
+              total_runs=len(tasks), total_seconds=sum(seconds.values()),
+              source="probe" if probed else "records")
+
+
+def estimate_text(study: Study, est: dict, n_timed: int) -> str:
+  """The estimate as the line printed before a study starts."""
+  r, s = est["runs"], est["seconds"]
+  hours = lambda x: f"{x / 3600:.1f} h" if x >= 3600 else f"{x / 60:.1f} min"
+  parts = [f"{r['reference']} reference",
+           f"{r['tune']} tuning ({study.tune_iters} iterations, seeds"
+           f" {harness.format_seeds(study.tune_seeds)})",
+           f"{r['discovery'] + r['confirmation']} paired"
+           f" ({study.base.max_iters} iterations: {r['discovery']} discovery,"
+           f" {r['confirmation']} confirmation)"]
+  src = ("the probe" if est["source"] == "probe" else
+         f"the wall time per iteration of {n_timed} finished run(s) of this"
+         " size, per arm where it has run, else of every arm")
+  text = (f"study: {est['total_runs']} runs to do ({', '.join(parts)});"
+          f" estimated {hours(est['total_seconds'])} wall on this machine"
+          f" (tuning {hours(s['tune'])}, paired"
+          f" {hours(s['discovery'] + s['confirmation'])}), from {src}")
+  if est["untimed"] == est["total_runs"] and est["total_runs"]:
+    text += ("; but no run of this size has been timed yet (--probe N"
+             " times one)")
+  elif est["untimed"]:
+    text += (f"; {est['untimed']} run(s) of a size never timed are not"
+             " counted (--probe N times one)")
+  if est["provisional"]:
+    text += (f"; {est['provisional']} run(s) wait on a tuning choice and are"
+             " counted at their grid's centre")
+  if est["widening_runs"]:
+    text += (f"; up to {est['widening_runs']} more tuning runs"
+             f" ({hours(est['widening_seconds'])}) if every unfinished grid"
+             f" widens on every axis {study.max_extensions} time(s)")
+  return text + "."
+
+
+def run_study(study: Study, corpus: Corpus, out: pathlib.Path, *,
+              command: str = "", log=print, time_budget: float = 0.0,
+              rates: Optional[Mapping] = None, on_paired=None) -> int:
+  """Runs the study's unfinished runs in plan order (the plan recomputed
+  after each, so a tuning grid widens as its runs come in); stops before a
+  run expected to end past time_budget seconds. on_paired() after each
+  paired run (the tables so far). Returns the number of runs trained."""
+  store = harness.RunStore(out)
+  done = finished_runs(store.records(), current_version=True)
+  rates = dict(rates or {})
+  t0, trained, longest = time.time(), 0, 0.0
+  while left := remaining(study, done, corpus.data_id):
+    task = left[0]
+    expect = run_seconds(task.cfg, rates) or longest
+    if time_budget and trained and time.time() - t0 + expect > time_budget:
+      log(f"time budget {time_budget:.0f} s: stopping before {task.stage}"
+          f" {task_name(task, corpus.data_id)}")
+      break
+    ts = time.time()
+    rec = train_run(task.cfg, task.seed, corpus, out, command=command,
+                    log=log)
+    longest = max(longest, time.time() - ts)
+    if rec["name"] != task_name(task, corpus.data_id) or rec.get(
+        "final") is None:
+      raise RuntimeError(f"{rec['name']}: not the finished run planned.")
+    done[rec["name"]] = rec
+    trained += 1
+    f = rec["final"]
+    log(f"[{task.stage}, {len(left) - 1} planned left] {rec['name']}: train"
+        f" {f['train_loss']:.4f}, val (whole split) {f['val_loss_full']:.4f},"
+        f" {rec['wall_s']:.0f} s")
+    if task.stage in ("discovery", "confirmation") and on_paired is not None:
+      on_paired()
+  return trained
+
+
+# The study's report: tuning grids with their scores, chosen points and the
+# paired comparisons, from the finished runs (any library version).
+
+
+def hp_text(point: Mapping) -> str:
+  return ", ".join(f"{AXIS_LABELS.get(k, k)} {v:g}" for k, v in point.items())
+
+
+def study_data(records) -> str:
+  """The corpus a study's report is about: the published one if any run
+  used it, else the first (sorted) that a run used."""
+  ids = sorted({r["data"] for r in records})
+  ref = f"tinyshakespeare:md5={CORPUS_MD5}"
+  return ref if ref in ids or not ids else ids[0]
+
+
+def tuning_summary(study: Study, arm: str, done: Mapping,
+                   data_id: str) -> dict:
+  """The arm's grid, every point's runs and mean scores, and its choice."""
+  base = arm_base(study, arm, done, data_id)
+  if base is None:
+    return dict(arm=arm, status="waits for adamw's tuning", base=None,
+                axes=None, points=[], chosen=None, widenings=0, runs=0)
+  t = tuning(study, arm, base, done, data_id)
+  points = []
+  for p in harness.grid_points(t.axes):
+    cfg = point_config(study.base, arm, {**base, **p}, study.tune_iters)
+    recs = {s: done[n] for s in study.tune_seeds
+            if (n := run_name(cfg, s, data_id)) in done}
+    points.append(dict(
+        point=p, seeds=sorted(recs),
+        val_loss_full={s: r["final"]["val_loss_full"] for s, r in recs.items()},
+        val=mean([r["final"]["val_loss_full"] for r in recs.values()]),
+        train=mean([r["final"]["train_loss"] for r in recs.values()]),
+        wall_s=sum(r["wall_s"] for r in recs.values())))
+  chosen = (harness.best_point(t.axes, t.scores, higher_is_better=False)
+            if t.finished else None)
+  runs = sum(len(p["seeds"]) for p in points)
+  status = ("finished" if t.finished else
+            f"{runs} of {len(points) * len(study.tune_seeds)} runs")
+  if t.finished and harness.extend_axes(t.axes, chosen) is not None:
+    status += f" (best on an edge after {t.widenings} widening(s))"
+  return dict(arm=arm, status=status, base=base,
+              axes=[[n, list(v)] for n, v in t.axes], points=points,
+              chosen=chosen, widenings=t.widenings, runs=runs)
+
+
+def paired_runs(study: Study, arm: str, done: Mapping, data_id: str) -> dict:
+  """{seed: record} of the arm's finished paired runs at its choice."""
+  c = choice(study, arm, done, data_id)
+  if c is None:
+    return {}
+  cfg = point_config(study.base, arm, {**c[1], **c[0]}, study.base.max_iters)
+  return {s: done[n] for s in study.seeds(arm)
+          if (n := run_name(cfg, s, data_id)) in done}
+
+
+def comparison_pairs(study: Study) -> list:
+  """(treatment, baseline): each arm against adamw, then stiefel against
+  each other arm (the constraint against the alternatives to it)."""
+  arms = study.arms
+  out = [(a, "adamw") for a in arms if a != "adamw"]
+  if "stiefel" in arms:
+    out += [("stiefel", a) for a in arms if a not in ("adamw", "stiefel")]
+  return out
+
+
+def paired_losses(treat: Mapping, base: Mapping, block: str) -> Optional[dict]:
+  """Treatment - baseline in whole-split validation loss over the seeds of
+  `block` both have (negative favours the treatment; wins: seeds where the
+  treatment's loss is lower), with both arms' mean train loss."""
+  seeds = sorted(s for s in set(treat) & set(base)
+                 if harness.seed_block(s) == block)
+  if not seeds:
+    return None
+  val = lambda runs: [runs[s]["final"]["val_loss_full"] for s in seeds]
+  train = lambda runs: mean([runs[s]["final"]["train_loss"] for s in seeds])
+  c = stats.paired_comparison(val(base), val(treat))   # wins: treat lower
+  return dict(seeds=seeds, n=len(seeds), val_treatment=mean(val(treat)),
+              val_baseline=mean(val(base)), train_treatment=train(treat),
+              train_baseline=train(base), mean_diff=-c["mean_diff"],
+              ci_low=-c["ci_high"], ci_high=-c["ci_low"], t=-c["t"],
+              p=c["p"], wins=c["wins"], losses=c["losses"])
+
+
+def comparison_table(study: Study, runs: Mapping, block: str) -> list:
+  """The block's rows, Holm-adjusted across the table."""
+  rows = []
+  for treat, base in comparison_pairs(study):
+    r = paired_losses(runs.get(treat, {}), runs.get(base, {}), block)
+    if r is not None:
+      rows.append(dict(treatment=treat, baseline=base, **r))
+  for r, p in zip(rows, stats.holm([r["p"] for r in rows])):
+    r["p_holm"] = p
+  return rows
+
+
+def study_findings(discovery: list, confirmation: list) -> list:
+  """The confirmation rows that are findings under the claims policy: Holm
+  p < 0.05 across the confirmation table, the same sign as on discovery."""
+  first = {(r["treatment"], r["baseline"]): r for r in discovery}
+  out = []
+  for r in confirmation:
+    d = first.get((r["treatment"], r["baseline"]))
+    if (d is not None and np.isfinite(r["p_holm"]) and r["p_holm"] < 0.05
+        and np.sign(r["mean_diff"]) == np.sign(d["mean_diff"]) != 0):
+      out.append(r)
+  return out
+
+
+def study_summary(study: Study, done: Mapping, data_id: str) -> dict:
+  """Everything the study's report says, from the finished runs."""
+  tunings = {a: tuning_summary(study, a, done, data_id) for a in study.arms}
+  runs = {a: paired_runs(study, a, done, data_id) for a in study.arms}
+  ref = {s: done[n] for s in study.reference_seeds
+         if (n := run_name(reference_config(study), s, data_id)) in done}
+  disc, conf = (comparison_table(study, runs, b)
+                for b in ("discovery", "confirmation"))
+  planned = plan(study, done, data_id)
+  left = [t for t in planned if task_name(t, data_id) not in done]
+  arms = {}
+  for a in study.arms:
+    c = choice(study, a, done, data_id)
+    arms[a] = dict(chosen=None if c is None else c[0],
+                   base=None if c is None else c[1],
+                   seeds=sorted(runs[a]), planned_seeds=list(study.seeds(a)))
+  return dict(
+      data=data_id, tuning=tunings, arms=arms,
+      reference=dict(seeds=sorted(ref), runs=ref),
+      discovery=disc, confirmation=conf,
+      findings=study_findings(disc, conf),
+      done=len(planned) - len(left), planned=len(planned),
+      next=None if not left else f"{left[0].stage} {left[0].arm}",
+      complete=not left and len(planned) > len(study.reference_seeds)
+      and all(t["status"].startswith("finished") for t in tunings.values()))
+
+
+def fmt_loss(x) -> str:
+  return "" if not np.isfinite(x) else f"{x:.4f}"
+
+
+def study_setting(study: Study) -> str:
+  c = study.base
+  return (f"{c.n_layer}L x {c.n_head}H x {c.n_embd}, ctx {c.block_size},"
+          f" batch {c.batch_size}, dropout {c.dropout:g},"
+          f" {c.max_iters} iterations (decay to {c.lr_decay_iters}, warmup"
+          f" {c.warmup_iters}), eval_iters {c.eval_iters}")
+
+
+def grid_density(study: Study) -> str:
+  """What the starting grids have in common (fair tuning: the same number
+  of points per hyperparameter for every arm)."""
+  sizes = sorted({len(v) for _, axes in study.grids for _, v in axes})
+  if len(sizes) == 1:
+    return (f"every arm's grid starts at {sizes[0]} points per"
+            " hyperparameter, half a decade apart")
+  return ("the starting grids are toy grids of "
+          + " to ".join(str(n) for n in (sizes[0], sizes[-1]))
+          + " points per hyperparameter")
+
+
+def study_markdown(study: Study, s: dict) -> list:
+  """The lines of the study's report."""
+  seeds = harness.format_seeds
+  lines = [
+      f"**Study** (fair tuning on validation, then paired seeds) at"
+      f" {study_setting(study)}: {s['done']} of the {s['planned']} runs"
+      " planned so far are done (the plan grows as tuning grids widen and"
+      " choices are made)" + (f"; next: {s['next']}" if s["next"] else "")
+      + ".", ""]
+  if s["findings"]:
+    lines += ["Findings (confirmed under the claims policy: Holm p < 0.05 on"
+              " the confirmation seeds, the same sign as on discovery):", ""]
+    lines += [f"- {r['treatment']} vs {r['baseline']}: {r['mean_diff']:+.4f}"
+              f" [{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] in validation loss"
+              f" (Holm p {fmt_p(r['p_holm'])}, {r['wins']}/{r['n']} seeds)"
+              for r in s["findings"]]
+  else:
+    lines.append("Findings: none" + ("." if s["complete"] else
+                                     " yet (the study is unfinished)."))
+  lines.append("")
+  # The reference: nanoGPT's recipe as published, its own record.
+  ref = s["reference"]
+  rc = reference_config(study)
+  if ref["seeds"]:
+    runs = [ref["runs"][sd] for sd in ref["seeds"]]
+    pub = PUBLISHED.get(preset_of(rc))
+    best = mean([min(r["history"]["val_loss"]) for r in runs])
+    lines += [
+        "nanoGPT reference (AdamW at nanoGPT's published settings, lr"
+        f" {rc.learning_rate:g} -> {rc.min_lr:g}, weight decay"
+        f" {rc.weight_decay:g}; its own record, not the tuned adamw):", "",
+        "| seeds | published val | val, last | val, best | val, whole split"
+        " | train | difference | wall s/run |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {seeds(ref['seeds'])} | {'' if pub is None else f'{pub:.4g}'} |"
+        f" {mean([r['final']['val_loss'] for r in runs]):.4f} | {best:.4f} |"
+        f" {mean([r['final']['val_loss_full'] for r in runs]):.4f} |"
+        f" {mean([r['final']['train_loss'] for r in runs]):.4f} |"
+        f" {'' if pub is None else f'{best - pub:+.4f}'} |"
+        f" {mean([r['wall_s'] for r in runs]):.0f} |", ""]
+  lines += [
+      f"Tuning on validation: {study.tune_iters} iterations (decay to"
+      f" {study.tune_iters}, warmup {study.base.warmup_iters}), tuning seeds"
+      f" {seeds(study.tune_seeds)}; a point's score is the mean over the"
+      " tuning seeds of the whole-split validation loss (lower is better);"
+      f" {grid_density(study)}, widened geometrically past an edge its best"
+      f" point lands on (at most {study.max_extensions} widening(s)); an"
+      f" AdamW lr brings its floor lr / {LR_FLOOR}. The non-Q/K weights of"
+      " every arm but the AdamW"
+      " recipes (adamw, qk_norm, orthogonal_init) train with adamw's chosen"
+      " lr and weight decay.", "",
+      "| arm | chosen | non-Q/K AdamW | grid | tuning runs | status |",
+      "|---|---|---|---|---:|---|"]
+  for a in study.arms:
+    t = s["tuning"][a]
+    grid = ("" if t["axes"] is None else " x ".join(
+        f"{AXIS_LABELS.get(n, n)} {{{', '.join(f'{v:g}' for v in vals)}}}"
+        for n, vals in t["axes"]))
+    nonqk = ("own" if a in OWN_ADAMW else
+             "" if t["base"] is None else hp_text(t["base"]))
+    chosen = "" if t["chosen"] is None else hp_text(t["chosen"])
+    lines.append(f"| {a} | {chosen} | {nonqk} | {grid} | {t['runs']} |"
+                 f" {t['status']} |")
+  lines.append("")
+  for a in study.arms:
+    t = s["tuning"][a]
+    if not t["runs"]:
+      continue
+    names = [n for n, _ in t["axes"]]
+    lines += [f"Tuning grid of {a}:", "",
+              "| " + " | ".join(AXIS_LABELS.get(n, n) for n in names)
+              + " | val loss per tuning seed | mean val loss | mean train"
+              " loss | |",
+              "|" + "---:|" * len(names) + "---|---:|---:|---|"]
+    for p in t["points"]:
+      per = ", ".join(f"{p['val_loss_full'][sd]:.4f}" for sd in p["seeds"])
+      mark = "chosen" if p["point"] == t["chosen"] else ""
+      lines.append("| " + " | ".join(f"{p['point'][n]:g}" for n in names)
+                   + f" | {per} | {fmt_loss(p['val'])} |"
+                   f" {fmt_loss(p['train'])} | {mark} |")
+    lines.append("")
+  lines += [
+      f"Paired runs at {study_setting(study)}, each arm at its chosen point"
+      " (the same data, batches, evaluation batches and initial weights"
+      " outside Q/K per seed). Seeds planned: "
+      + "; ".join(f"{a} {seeds(study.seeds(a))}" for a in study.arms)
+      + ". Done: " + "; ".join(
+          f"{a} {seeds(s['arms'][a]['seeds']) or 'none'}" for a in study.arms)
+      + ".", "",
+      "Each row: treatment - baseline in validation loss over the whole"
+      " split (negative favours the treatment), its 95% CI, paired t and p,"
+      " Holm-adjusted p across the rows of the table, and the seeds the"
+      " treatment wins; mean validation loss of each arm with its train loss"
+      " (nanoGPT's estimate at the last step) in brackets.", ""]
+  for block in ("discovery", "confirmation"):
+    rows = s[block]
+    lines.append(f"{block.capitalize()} seeds:")
+    lines.append("")
+    if not rows:
+      lines += ["(no paired runs yet)", ""]
+      continue
+    lines += ["| treatment | baseline | seeds | treatment val (train) |"
+              " baseline val (train) | difference [95% CI] | t | p | p (Holm)"
+              " | wins |",
+              "|---|---|---|---:|---:|---|---:|---:|---:|---|"]
+    for r in rows:
+      t_text = "" if not np.isfinite(r["t"]) else f"{r['t']:.2f}"
+      lines.append(
+          f"| {r['treatment']} | {r['baseline']} | {seeds(r['seeds'])} |"
+          f" {r['val_treatment']:.4f} ({r['train_treatment']:.4f}) |"
+          f" {r['val_baseline']:.4f} ({r['train_baseline']:.4f}) |"
+          f" {r['mean_diff']:+.4f} [{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]"
+          f" | {t_text} | {fmt_p(r['p'])} | {fmt_p(r['p_holm'])} |"
+          f" {r['wins']}/{r['n']} |")
+    lines.append("")
+  return lines
 
 
 # --------------------------------------------------------------------------
@@ -930,14 +1725,22 @@ def parse_args(argv):
   p.add_argument("--data", type=pathlib.Path, default=None,
                  help="the corpus (default ../shared/data/tinyshakespeare.txt"
                       " from the repository root)")
+  p.add_argument("--study", action="store_true",
+                 help="the whole study, resumable: every arm tuned on"
+                      " validation (the same grid density), then paired"
+                      " discovery and confirmation seeds, then its report;"
+                      " prints its time estimate first (--quick: the same"
+                      " path at toy size, well under a minute)")
   p.add_argument("--probe", type=int, default=0,
                  help="first time this many steps of the first run (not"
                       " saved) and print the projected wall time")
   p.add_argument("--dry-run", action="store_true",
-                 help="with --probe: print the projection and stop")
+                 help="with --probe or --study: print the projection and"
+                      " stop")
   p.add_argument("--time-budget", type=float, default=0,
-                 help="seconds: start no seed whose runs would end past it"
-                      " (estimated from the slowest seed so far)")
+                 help="seconds: start no seed (--study: no run) whose runs"
+                      " would end past it (estimated from the slowest seed"
+                      " so far; --study: from the runs' timing)")
   p.add_argument("--note", default="",
                  help="text written to <out>/notes.md (in every report)")
   p.add_argument("--quiet", action="store_true")
@@ -973,10 +1776,10 @@ def configs(args) -> list:
   return out
 
 
-def probe(cfg: Config, seed: int, corpus: Corpus, steps: int, todo: list,
-          log=print) -> float:
-  """Times `steps` steps (after one compiled chunk) of cfg; returns and
-  prints the projected wall time of the runs in `todo`."""
+def measure_steps(cfg: Config, seed: int, corpus: Corpus,
+                  steps: int) -> tuple:
+  """(seconds per step, seconds to compile, steps timed): `steps` steps of
+  cfg timed after one compiled chunk (nothing saved)."""
   pcfg = dataclasses.replace(cfg, eval_interval=math.gcd(steps,
                                                          cfg.max_iters))
   steps = max(steps, pcfg.eval_interval)
@@ -987,15 +1790,121 @@ def probe(cfg: Config, seed: int, corpus: Corpus, steps: int, todo: list,
   train_run(pcfg, seed, corpus, None, max_iters=steps, log=lambda *_: None)
   t2 = time.time()
   compile_s = max(t1 - t0 - (t2 - t1) * pcfg.eval_interval / steps, 0.0)
-  per_step = (t2 - t1) / steps
-  total = sum(c.max_iters * per_step * (1 + 2 * c.eval_iters / 3
-                                        / c.eval_interval) + compile_s
-              for c in todo)
-  log(f"probe: {steps} steps of {cfg.arm} in {t2 - t1:.1f} s"
+  return (t2 - t1) / steps, compile_s, steps
+
+
+def projected_seconds(cfgs: Sequence[Config], per_step: float,
+                      compile_s: float) -> float:
+  """The wall time of runs of cfgs at per_step seconds per training step
+  (an evaluation of eval_iters batches of both splits costing about 2/3
+  of a step per batch) and compile_s each to compile."""
+  return sum(c.max_iters * per_step * (1 + 2 * c.eval_iters / 3
+                                       / c.eval_interval) + compile_s
+             for c in cfgs)
+
+
+def probe(cfg: Config, seed: int, corpus: Corpus, steps: int, todo: list,
+          log=print) -> float:
+  """Times `steps` steps (after one compiled chunk) of cfg; returns and
+  prints the projected wall time of the runs in `todo`."""
+  per_step, compile_s, steps = measure_steps(cfg, seed, corpus, steps)
+  total = projected_seconds(todo, per_step, compile_s)
+  log(f"probe: {steps} steps of {cfg.arm} in {per_step * steps:.1f} s"
       f" ({1e3 * per_step:.1f} ms/step, about {compile_s:.0f} s to compile);"
       f" projected wall time of the {len(todo)} run(s) to do:"
       f" {total / 60:.1f} min")
   return total
+
+
+def check_study_args(args) -> None:
+  """--study fixes its arms, seeds and settings: refuse options that would
+  quietly change them."""
+  names = ("arms", "seeds", "preset") + tuple(
+      f.name for f in dataclasses.fields(Config) if f.name != "arm")
+  given = [f"--{n.replace('_', '-')}" for n in names
+           if getattr(args, n, None) is not None]
+  if given:
+    raise SystemExit(f"--study fixes its arms, seeds and settings (see"
+                     f" benchmarks/lm.py STUDY); drop {', '.join(given)}.")
+
+
+@contextlib.contextmanager
+def toy_compiler(enabled: bool):
+  """With `enabled` (--quick), compile without LLVM's optimisation: at toy
+  sizes that is most of the compile time. The options are restored after."""
+  global COMPILER_OPTIONS
+  saved = COMPILER_OPTIONS
+  if enabled:
+    COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, **saved}
+  try:
+    yield
+  finally:
+    COMPILER_OPTIONS = saved
+
+
+def train_sweep(args, argv, corpus: Corpus, out: pathlib.Path, log) -> bool:
+  """The configurations and seeds the options ask for (seed-major); False
+  if --dry-run stopped after the probe."""
+  seeds = args.seeds or (0,)
+  cfgs = configs(args)
+  store = harness.RunStore(out)
+  todo = [(c, s) for c in cfgs for s in seeds
+          if (r := store.load(run_name(c, s, corpus.data_id))) is None
+          or r.get("final") is None or not harness.matches(r)]
+  if args.probe and todo:
+    probe(todo[0][0], todo[0][1], corpus, args.probe, [c for c, _ in todo],
+          log)
+    if args.dry_run:
+      return False
+  command = harness.command_line("benchmarks.lm", argv)
+  t0, per_seed = time.time(), []
+  for seed in seeds:   # seed-major: a stopped study leaves whole pairs
+    if (args.time_budget and per_seed and time.time() - t0
+        + 1.1 * max(per_seed) > args.time_budget):
+      log(f"time budget {args.time_budget:.0f} s: stopping before seed"
+          f" {seed}")
+      break
+    ts = time.time()
+    for cfg in cfgs:
+      rec = train_run(cfg, seed, corpus, out, command=command, log=log)
+      f = rec["final"]
+      log(f"{rec['name']}: train {f['train_loss']:.4f}, val"
+          f" {f['val_loss']:.4f}, val (whole split) {f['val_loss_full']:.4f},"
+          f" {rec['wall_s']:.0f} s")
+    per_seed.append(time.time() - ts)
+  return True
+
+
+def train_study(name: str, args, argv, corpus: Corpus, out: pathlib.Path,
+                log) -> Optional[dict]:
+  """Prints the study's time estimate (from --probe, else from the finished
+  runs' wall times), then runs what is left of it, writing the report
+  after each paired run; with --dry-run returns the estimate instead."""
+  study = STUDIES[name]
+  records = harness.RunStore(out).records()
+  done = finished_runs(records, current_version=True)
+  rates = iteration_rates(records)
+  probed = None
+  left = remaining(study, done, corpus.data_id, assume=True)
+  if args.probe and left:
+    per_step, compile_s, steps = measure_steps(left[0].cfg, left[0].seed,
+                                               corpus, args.probe)
+    probed = (per_step, compile_s)
+    log(f"probe: {steps} steps of {left[0].arm} in {per_step * steps:.1f} s"
+        f" ({1e3 * per_step:.1f} ms/step, about {compile_s:.0f} s to"
+        " compile)")
+  est = estimate(study, done, corpus.data_id, rates, probed)
+  size = timing_key(dataclasses.asdict(study.base))
+  n_timed = sum(r.get("final") is not None and timing_key(r["config"]) == size
+                for r in records)
+  log(estimate_text(study, est, n_timed))
+  if args.dry_run:
+    return est
+  run_study(study, corpus, out,
+            command=harness.command_line("benchmarks.lm", argv), log=log,
+            time_budget=args.time_budget, rates=rates,
+            on_paired=lambda: report(out, name))
+  return None
 
 
 def main(argv=None) -> dict:
@@ -1003,40 +1912,25 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   log = (lambda *_: None) if args.quiet else functools.partial(print,
                                                                flush=True)
+  study = None
+  if args.study:
+    check_study_args(args)
+    study = "quick" if args.quick else "full"
+  folder = "lm" if study is None else f"lm_study{'_quick' * args.quick}"
   out = args.out or (REFERENCE_DIR if args.report_only and args.results_md
-                     else harness.default_out("lm"))
+                     else harness.default_out(folder))
   if args.note:
     harness.write_text(out / "notes.md", args.note.strip() + "\n")
-  if not args.report_only:
-    corpus = load_corpus(str(args.data or default_data()))
-    seeds = args.seeds or (0,)
-    cfgs = configs(args)
-    store = harness.RunStore(out)
-    todo = [(c, s) for c in cfgs for s in seeds
-            if (r := store.load(run_name(c, s, corpus.data_id))) is None
-            or r.get("final") is None or not harness.matches(r)]
-    if args.probe and todo:
-      probe(todo[0][0], todo[0][1], corpus, args.probe, [c for c, _ in todo],
-            log)
-      if args.dry_run:
-        return {}
-    command = harness.command_line("benchmarks.lm", argv)
-    t0, per_seed = time.time(), []
-    for seed in seeds:   # seed-major: a stopped study leaves whole pairs
-      if (args.time_budget and per_seed and time.time() - t0
-          + 1.1 * max(per_seed) > args.time_budget):
-        log(f"time budget {args.time_budget:.0f} s: stopping before seed"
-            f" {seed}")
-        break
-      ts = time.time()
-      for cfg in cfgs:
-        rec = train_run(cfg, seed, corpus, out, command=command, log=log)
-        f = rec["final"]
-        log(f"{rec['name']}: train {f['train_loss']:.4f}, val"
-            f" {f['val_loss']:.4f}, val (whole split) {f['val_loss_full']:.4f},"
-            f" {rec['wall_s']:.0f} s")
-      per_seed.append(time.time() - ts)
-  rep = report(out)
+  with toy_compiler(args.quick):
+    if not args.report_only:
+      corpus = load_corpus(str(args.data or default_data()))
+      if study is None:
+        if not train_sweep(args, argv, corpus, out, log):
+          return {}
+      elif (est := train_study(study, args, argv, corpus, out,
+                               log)) is not None:
+        return dict(estimate=est)
+  rep = report(out, study)
   if args.results_md:
     harness.write_section(args.results_md, SECTION,
                           f"{SECTION}\n\n{rep['table']}")

@@ -1,8 +1,9 @@
 """The language-model benchmark (benchmarks/lm.py): the model is nanoGPT's,
 the schedule and weight decay are nanoGPT's, the arms do what they say
 (Stiefel Q/K frames stay orthonormal while the v third follows AdamW; Muon
-acts on each head's q/k matrix), and `python -m benchmarks.lm --quick` runs,
-resumes and is reused on rerun; `TOY=1 bash benchmarks/accelerator.sh` runs."""
+acts on each head's q/k matrix), the study is planned fairly and in order,
+`python -m benchmarks.lm --study --quick` runs its whole path, resumes and
+is reused on rerun; `TOY=1 bash benchmarks/accelerator.sh` runs."""
 
 import dataclasses
 import functools
@@ -20,9 +21,14 @@ import optax
 import pytest
 
 import stiefel_optax as so
-from benchmarks import harness, lm
+from benchmarks import harness, lm, stats
 
-Q = lm.QUICK
+# The quick study's toy model: the unit tests and the study share its
+# compiled operations (nanoGPT's initialisation runs op by op).
+Q = lm.QUICK_STUDY_BASE
+# Toy sizes: compiled without LLVM's optimisation (most of the compile time).
+jit = functools.partial(jax.jit,
+                        compiler_options={"xla_backend_optimization_level": 0})
 VOCAB = 65
 DATA = lm.default_data()
 needs_data = pytest.mark.skipif(not DATA.is_file(),
@@ -48,13 +54,14 @@ def _params(arm="adamw"):
 
 
 def test_attention_is_causal():
-  apply = jax.jit(lm.make_model(Q, VOCAB).apply)
+  apply = jit(lm.make_model(Q, VOCAB).apply)
   params = _params()
   x = jnp.arange(Q.block_size)[None] % VOCAB
-  y = x.at[0, 9:].set(3)
+  k = Q.block_size // 2
+  y = x.at[0, k:].set(3)
   a, b = apply({"params": params}, x), apply({"params": params}, y)
-  np.testing.assert_allclose(a[0, :9], b[0, :9], atol=1e-6)
-  assert not np.allclose(a[0, 9:], b[0, 9:])
+  np.testing.assert_allclose(a[0, :k], b[0, :k], atol=1e-6)
+  assert not np.allclose(a[0, k:], b[0, k:])
 
 
 def test_lr_schedule_is_nanogpts_get_lr():
@@ -81,7 +88,7 @@ def test_weight_decay_on_rank_2_parameters_only():
   mask = {so.path_str(p): m for p, m in
           jax.tree_util.tree_leaves_with_path(lm.decay_mask(params))}
   assert mask["wte/embedding"] and mask["wpe/embedding"]
-  assert mask["h_0/attn/c_attn/kernel"] and mask["h_1/c_fc/kernel"]
+  assert mask["h_0/attn/c_attn/kernel"] and mask["h_0/c_fc/kernel"]
   assert not mask["h_0/ln_1/scale"] and not mask["ln_f/scale"]
 
 
@@ -116,7 +123,7 @@ def test_stiefel_arm_keeps_qk_orthonormal_and_v_on_adamw():
   runs = {}
   for arm in ("stiefel", "orthogonal_init"):   # the same start, then AdamW
     tx = lm.make_optimizer(dataclasses.replace(cfg, arm=arm))
-    update, p = jax.jit(tx.update), start
+    update, p = jit(tx.update), start
     state = tx.init(p)   # checks the orthonormal start
     for g in grads:
       u, state = update(g, state, p)
@@ -139,18 +146,19 @@ def test_muon_arm_is_optax_muon_on_each_head():
   cfg = dataclasses.replace(Q, arm="muon")
   params = _params()
   grads = _random_grads(params, 0)
-  u, _ = lm.make_optimizer(cfg).update(grads, lm.make_optimizer(cfg).init(
-      params), params)
+  tx = lm.make_optimizer(cfg)
+  u, _ = jit(tx.update)(grads, tx.init(params), params)
   hd = cfg.n_embd // cfg.n_head
   ref = optax.contrib.muon(lm.lr_schedule(cfg, cfg.muon_learning_rate),
                            beta=0.95, weight_decay=cfg.weight_decay,
                            consistent_rms=0.2)
+  ref_update = jit(ref.update)   # one compile: every head has one shape
   for third in (0, 1):   # q, k
     for h in range(cfg.n_head):
       cols = slice(third * cfg.n_embd + h * hd, third * cfg.n_embd + (h + 1) * hd)
       w = {"w": _thirds(params)[third][:, h * hd:(h + 1) * hd]}
       g = {"w": _thirds(grads)[third][:, h * hd:(h + 1) * hd]}
-      want, _ = ref.update(g, ref.init(w), w)
+      want, _ = ref_update(g, ref.init(w), w)
       got = jnp.concatenate(_thirds(u), 1)[:, cols]
       np.testing.assert_allclose(got, want["w"], rtol=1e-4, atol=1e-8)
 
@@ -169,33 +177,81 @@ def fast_compile(monkeypatch):
 
 
 @needs_data
-def test_quick_run_resumes_and_is_reused(tmp_path, fast_compile):
-  out = tmp_path / "lm"
-  md = tmp_path / "RESULTS.md"
+def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
+                                                     capsys):
+  """`--study --quick`, the whole study path at toy size: its estimate
+  first; tuning on validation with a grid widened past its edge; the
+  other arms on adamw's choice; discovery before confirmation seeds; the
+  paired tables with Holm and the findings rule; a rerun trains nothing,
+  --report-only gives the same bytes, a stopped run resumes to the same
+  numbers."""
+  out, md = tmp_path / "lm", tmp_path / "RESULTS.md"
   md.write_text("# Benchmark results\n\n## Grokking\n\nother text\n")
-  rep = lm.main(["--quick", "--out", str(out), "--quiet", "--results-md",
+  rep = lm.main(["--study", "--quick", "--out", str(out), "--results-md",
                  str(md)])
+  printed = capsys.readouterr().out
+  assert printed.startswith("study: 17 runs to do (1 reference, 4 tuning")
+  stages = [line[1:].split(",")[0] for line in printed.splitlines()
+            if line.startswith("[")]
+  assert len(stages) == 18 and stages[0] == "reference"
+  assert max(i for i, st in enumerate(stages) if st == "discovery") < min(
+      i for i, st in enumerate(stages) if st == "confirmation")
+  s = rep["study"]
+  assert s["done"] == s["planned"] == 18 and s["complete"]
+  # adamw's 2-point grid: its best is on an edge, so it is widened once
+  tune = s["tuning"]["adamw"]
+  assert tune["widenings"] == 1 and len(tune["points"]) == 3
+  assert all(p["seeds"] == [100] for p in tune["points"])
+  assert tune["chosen"] == min(tune["points"], key=lambda p: p["val"])["point"]
+  recs = {p.stem: json.loads(p.read_text())
+          for p in (out / "runs").glob("*.json")}
+  assert len(recs) == 18 and not list((out / "runs").glob("*.npz"))
+  stiefel = [r for r in recs.values() if r["arm"] == "stiefel"]
+  assert len(stiefel) == 5   # 1 tuning point + 4 paired seeds
+  for r in stiefel:   # on adamw's chosen lr and weight decay, orthonormal
+    assert r["config"]["learning_rate"] == tune["chosen"]["learning_rate"]
+    assert r["config"]["weight_decay"] == tune["chosen"]["weight_decay"]
+    assert r["final"]["qk_iso"] < 1e-5
+  ortho = s["tuning"]["orthogonal_init"]   # its own AdamW grid
+  assert ortho["base"] == {} and ortho["chosen"]["learning_rate"] == 1e-2
+  assert all(r["data"] == f"tinyshakespeare:md5={lm.CORPUS_MD5}"
+             for r in recs.values())
+  assert str(tmp_path) not in json.dumps(recs)
+  pairs = [("stiefel", "adamw"), ("orthogonal_init", "adamw"),
+           ("stiefel", "orthogonal_init")]
+  for block, seeds in (("discovery", [0, 1]), ("confirmation", [500, 501])):
+    rows = s[block]
+    assert [(r["treatment"], r["baseline"]) for r in rows] == pairs
+    assert all(r["seeds"] == seeds for r in rows)
+    np.testing.assert_allclose([r["p_holm"] for r in rows],
+                               stats.holm([r["p"] for r in rows]))
+  first = {(r["treatment"], r["baseline"]): r for r in s["discovery"]}
+  assert s["findings"] == [
+      r for r in s["confirmation"] if r["p_holm"] < 0.05
+      and np.sign(r["mean_diff"]) == np.sign(
+          first[r["treatment"], r["baseline"]]["mean_diff"])]
+  table = rep["table"]
+  for text in ("Tuning grid of adamw:", "Confirmation seeds:",
+               "| stiefel | adamw | 0-1 |", "| 0.001 | 0.1 | ",
+               "nanoGPT reference"):
+    assert text in table
   text = md.read_text()
-  assert "other text" in text and text.rstrip().endswith(rep["table"].rstrip())
+  assert "other text" in text and text.rstrip().endswith(table.rstrip())
   assert lm.SECTION in text and str(tmp_path) not in text
-  names = sorted(p.name for p in (out / "runs").glob("*"))
-  assert len(names) == 2 and all(n.endswith(".json") for n in names)
-  first = {n: json.loads((out / "runs" / n).read_text()) for n in names}
-  rec = next(r for r in first.values() if r["arm"] == "stiefel")
-  assert rec["final"]["qk_iso"] < 1e-5
-  assert rec["data"] == f"tinyshakespeare:md5={lm.CORPUS_MD5}"
-  assert str(tmp_path) not in json.dumps(first)
-  assert "| stiefel lr 0.3 cap 0.3 | 0.001 -> 0.0001 | 0 |" in rep["table"]
   # rerun: nothing trained, the same files; the report regenerates the
   # same bytes from the raw runs
-  table = (out / "table.md").read_bytes()
-  lm.main(["--quick", "--out", str(out), "--quiet"])
-  assert {n: json.loads((out / "runs" / n).read_text())
-          for n in names} == first
-  lm.main(["--report-only", "--out", str(out), "--quiet"])
-  assert (out / "table.md").read_bytes() == table
-  # stopped after step 20 (saved at 10), then resumed: the same final losses
-  cfg = dataclasses.replace(Q, arm="stiefel")
+  files = {p.name: p.read_bytes() for p in (out / "runs").iterdir()}
+  table_bytes = (out / "table.md").read_bytes()
+  lm.main(["--study", "--quick", "--out", str(out), "--quiet"])
+  assert {p.name: p.read_bytes() for p in (out / "runs").iterdir()} == files
+  lm.main(["--study", "--quick", "--report-only", "--out", str(out),
+           "--quiet"])
+  assert (out / "table.md").read_bytes() == table_bytes
+  assert lm.main(["--study", "--quick", "--dry-run", "--out", str(out),
+                  "--quiet"])["estimate"]["total_runs"] == 0
+  # stopped after step 20 (saved at 10), then resumed: the same numbers
+  rec = next(r for r in stiefel if r["seed"] == 500)
+  cfg = lm.Config(**rec["config"])
   corpus = lm.load_corpus(str(DATA))
 
   def stop(msg):
@@ -204,13 +260,130 @@ def test_quick_run_resumes_and_is_reused(tmp_path, fast_compile):
 
   other = tmp_path / "other"
   with pytest.raises(KeyboardInterrupt):
-    lm.train_run(cfg, 0, corpus, other, save_every_s=0, log=stop)
+    lm.train_run(cfg, 500, corpus, other, save_every_s=0, log=stop)
   part = harness.read_json(other / "runs" / f"{rec['name']}.json")
   assert part["final"] is None and part["history"]["step"][-1] == 10
-  done = lm.train_run(cfg, 0, corpus, other, log=lambda *_: None)
+  done = lm.train_run(cfg, 500, corpus, other, log=lambda *_: None)
   assert done["final"] == rec["final"]
   assert done["history"]["val_loss"] == rec["history"]["val_loss"]
   assert not list((other / "runs").glob("*.npz"))
+
+
+def _fake_runs(study, data, loss, arms, done=None):
+  """`done` with fake finished tuning runs of `arms` (score loss(cfg)),
+  added as the plan asks for them, until it asks for no more."""
+  done = dict(done or {})
+  while left := [t for t in lm.remaining(study, done, data)
+                 if t.stage == "tune" and t.arm in arms]:
+    for t in left:
+      v = loss(t.cfg)
+      done[lm.task_name(t, data)] = {"final": {"val_loss_full": v,
+                                               "train_loss": v}, "wall_s": 1.0}
+  return done
+
+
+def test_tuning_grids_widen_past_their_edges():
+  """harness: product grids, best point (higher or lower is better), and
+  widening until the best is interior, at most max_extensions times."""
+  axes = (("lr", (1e-3, 3e-3, 1e-2)), ("wd", (0.1,)))
+  assert harness.grid_points(axes) == [{"lr": 1e-3, "wd": 0.1},
+                                       {"lr": 3e-3, "wd": 0.1},
+                                       {"lr": 1e-2, "wd": 0.1}]
+  scores = {"lr0.001_wd0.1": 1.0, "lr0.003_wd0.1": 2.0, "lr0.01_wd0.1": 2.0}
+  assert harness.best_point(axes, scores) == {"lr": 3e-3, "wd": 0.1}
+  assert harness.best_point(axes, scores, higher_is_better=False)["lr"] == 1e-3
+  assert harness.extend_axes(axes, {"lr": 1e-2, "wd": 0.1}) == (
+      ("lr", (1e-3, 3e-3, 1e-2, 0.0333)), ("wd", (0.1,)))
+  assert harness.extend_axes(axes, {"lr": 3e-3, "wd": 0.1}) is None
+  far = lambda axes: {harness.point_key(p): -p["lr"]
+                      for p in harness.grid_points(axes)}
+  t = harness.tuned_axes(axes, far, 3, higher_is_better=False)
+  assert t.finished and t.widenings == 3 and t.axes[0][1][-1] == 0.37
+  assert harness.tuned_axes(axes, lambda _: None, 3) == harness.Tuning(
+      axes, None, False, 0)
+
+
+def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
+  """The study at the CPU config, planned without training: every arm 3
+  half-decade points per hyperparameter, 3 tuning seeds outside the
+  discovery and confirmation seeds, 500-iteration tuning, adamw and
+  stiefel at 8 + 8 seeds and the others at 6 + 6, discovery before
+  confirmation, the non-Q/K AdamW at adamw's choice; the committed runs'
+  names (their identity) unchanged; and the time estimate."""
+  st, data = lm.STUDY, lm.study_data([])
+  for _, axes in st.grids:
+    for _, vals in axes:
+      assert len(vals) == 3
+      assert all(2.99 < b / a < 3.34 for a, b in zip(vals, vals[1:]))
+  assert len(st.tune_seeds) >= 3 and st.tune_iters == 500
+  assert not set(st.tune_seeds) & set(harness.DISCOVERY_SEEDS
+                                      + harness.CONFIRMATION_SEEDS)
+  # nothing run: the reference, then adamw's grid; the rest waits on it
+  first = lm.plan(st, {}, data)
+  assert [t.stage for t in first] == ["reference"] * 4 + ["tune"] * 27
+  assert all(t.cfg == lm.CPU for t in first[:4])
+  assert [lm.task_name(t, data) for t in first[:4]] == [
+      f"adamw_seed{s}_85bd1ed3" for s in range(4)]   # the committed runs
+  assert "adamw_seed100_a8e4024a" in {lm.task_name(t, data) for t in first}
+  whole = lm.plan(st, {}, data, assume=True)
+  count = lambda stage: sum(t.stage == stage for t in whole)
+  assert [count(x) for x in lm.STAGES] == [4, 135, 46, 46]
+  assert all(t.cfg.max_iters == t.cfg.lr_decay_iters == 500
+             for t in whole if t.stage == "tune")
+  last_disc = max(i for i, t in enumerate(whole) if t.stage == "discovery")
+  assert all(t.stage == "confirmation" for t in whole[last_disc + 1:])
+  for arm in st.arms:
+    paired = sorted(t.seed for t in whole
+                    if t.arm == arm and t.stage in ("discovery",
+                                                    "confirmation"))
+    n = 8 if arm in ("adamw", "stiefel") else 6
+    assert paired == list(range(n)) + list(range(500, 500 + n))
+  # adamw's best lands on the grid's edge twice: widened twice, then
+  # interior; stiefel's keeps improving: widened 3 times, then stopped
+  ll = lambda x: math.log10(x)
+  loss = lambda c: ((ll(c.learning_rate) + 1.7) ** 2
+                    + (ll(c.weight_decay) + 1) ** 2
+                    - (c.arm == "stiefel") * (c.stiefel_learning_rate
+                                              - abs(ll(c.max_step_norm))))
+  done = _fake_runs(st, data, loss, ("adamw", "stiefel"))
+  ad, sf = (lm.tuning_summary(st, a, done, data) for a in ("adamw",
+                                                            "stiefel"))
+  assert ad["widenings"] == 2 and ad["status"] == "finished"
+  assert ad["chosen"] == {"learning_rate": 0.0333, "weight_decay": 0.1}
+  assert sf["widenings"] == 3 and "edge after 3" in sf["status"]
+  assert sf["chosen"] == {"stiefel_learning_rate": 37.0, "max_step_norm": 1.0}
+  tuned = [t for t in lm.plan(st, done, data) if t.arm == "stiefel"]
+  assert all(t.cfg.learning_rate == 0.0333 and t.cfg.min_lr == 0.00333
+             for t in tuned)
+  assert {t.stage for t in lm.remaining(st, done, data)} == {
+      "reference", "discovery", "tune"}   # main discovery, then the others
+  # with adamw at nanoGPT's (1e-3, 0.1) and stiefel at (0.3, 0.3), the
+  # committed runs are the study's
+  near = lambda c: (ll(c.learning_rate) + 3) ** 2 + (
+      ll(c.weight_decay) + 1) ** 2 + (c.arm == "stiefel") * (
+          abs(ll(c.stiefel_learning_rate / 0.3))
+          + abs(ll(c.max_step_norm / 0.3)))
+  names = {lm.task_name(t, data) for t in lm.plan(
+      st, _fake_runs(st, data, near, ("adamw", "stiefel")), data)}
+  committed = {p.stem for p in (lm.REFERENCE_DIR / "runs").glob("*.json")}
+  assert {"adamw_seed0_85bd1ed3", "stiefel_seed3_7d17bf48",
+          "stiefel_seed100_f83e6c5e", "stiefel_seed100_2fa4f422"} <= (
+              names & committed)
+  # the estimate: at 0.125 s per iteration (a 2,000-iteration run in 250 s)
+  rec = dict(config=lm.identity_config(lm.CPU), wall_s=250.0,
+             final=dict(step=2000))
+  est = lm.estimate(st, {}, data, lm.iteration_rates([rec]))
+  assert est["total_runs"] == 231
+  assert est["total_seconds"] == 0.125 * (4 * 2000 + 135 * 500 + 92 * 2000)
+  assert est["widening_runs"] == 4 * 27 * 3 + 3 * 3 * 3
+  assert "231 runs to do" in lm.estimate_text(st, est, 1)
+  assert "9.0 h" in lm.estimate_text(st, est, 1)
+  # from a probe: one compilation per configuration, not per run
+  whole = lm.remaining(st, {}, data, assume=True)
+  probed = lm.estimate(st, {}, data, {}, probed=(0.1, 10.0))
+  assert probed["total_seconds"] == pytest.approx(
+      lm.projected_seconds([t.cfg for t in whole], 0.1, 0.0)
+      + 10.0 * len({lm.train_config(t.cfg) for t in whole}))
 
 
 def test_default_output_is_git_ignored():
@@ -218,6 +391,9 @@ def test_default_output_is_git_ignored():
   assert args.out is None
   assert harness.default_out("lm") == harness.RUNS_ROOT / "lm"
   assert [c.arm for c in lm.configs(args)] == ["adamw", "stiefel"]
+  with pytest.raises(SystemExit, match="drop --seeds, --learning-rate"):
+    lm.check_study_args(lm.parse_args(["--study", "--seeds", "0",
+                                       "--learning-rate", "0.01"]))
   swept = lm.configs(lm.parse_args(["--arms", "adamw,stiefel",
                                     "--stiefel-learning-rate", "0.01,0.1",
                                     "--max-iters", "500"]))
@@ -251,7 +427,7 @@ def test_other_arms_build_and_keep_their_constraints():
   sel = lm.frames(Q)
   for arm in ("rsgd", "stiefel_muon"):   # frames stay on the manifold
     tx = lm.make_optimizer(dataclasses.replace(Q, arm=arm))
-    u, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    u, _ = jit(tx.update)(grads, tx.init(params), params)
     assert float(so.max_isometry_error(optax.apply_updates(params, u),
                                        sel)) < 1e-5
   qkn = _params("qk_norm")   # per-head RMSNorm scales, not decayed
