@@ -37,7 +37,7 @@ import optax
 
 import stiefel_optax as so
 from benchmarks import cifar_data, harness, stats
-from benchmarks.patch_vit import PatchViT, PatchViTConfig
+from benchmarks.models import PatchViTConfig, Transformer
 
 REFERENCE_OUT = harness.REFERENCE_ROOT / "cifar"
 SECTION = "## CIFAR-10 patch benchmark"
@@ -214,7 +214,7 @@ def seed_stream(seed: int, pool: np.ndarray, n: int, cfg: Config):
 # Model, optimizer and training.
 
 
-def init_params(model: PatchViT, arm: Arm, seed: int):
+def init_params(model: Transformer, arm: Arm, seed: int):
   """The seed's standard init; Q/K replaced by their polar factor
   (nearest orthonormal frames) for arms that start on the manifold."""
   params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 32, 32, 3)))["params"]
@@ -262,7 +262,7 @@ def normalize(x_uint8, mean, std):
   return (x_uint8.astype(jnp.float32) / 255.0 - mean) / std
 
 
-def make_epoch_fn(model: PatchViT, tx, mean, std):
+def make_epoch_fn(model: Transformer, tx, mean, std):
   """jit(one epoch): lax.scan of AdamW/Stiefel steps over idx (steps, batch)."""
 
   def loss_fn(params, xb, yb):
@@ -282,7 +282,7 @@ def make_epoch_fn(model: PatchViT, tx, mean, std):
   return epoch
 
 
-def make_eval_fn(model: PatchViT, mean, std):
+def make_eval_fn(model: Transformer, mean, std):
   @jax.jit
   def accuracy(params, x, y):
     logits = model.apply({"params": params}, normalize(x, mean, std))
@@ -355,7 +355,7 @@ class Bench:
     self.inherit, self.inherit_from = dict(inherit or {}), inherit_from
     self.fp = fingerprint(cfg, data.source)
     self.store = harness.RunStore(out, indent=1)
-    self.model = PatchViT(cfg.model)
+    self.model = cfg.model.build()
     mean, std = cifar_data.channel_stats(data.x_train)
     self.mean, self.std = jnp.asarray(mean), jnp.asarray(std)
     self.x = jnp.asarray(data.x_train)

@@ -8,7 +8,8 @@
 
 Task: (a op b) mod p (p = 97) from the tokens [a, b, =], a seeded share of all
 equations for training, the rest for validation, full-batch training.
-Model: `benchmarks.transformer.Transformer` (flax.linen attention).
+Model: `benchmarks.models.Transformer` (flax.linen attention), one layer,
+no LayerNorm, ReLU MLP, read out at the last token.
 Arms (same data split, same initialisation of every non-Q/K weight, same
 full-batch order for a seed):
 
@@ -48,7 +49,7 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import harness, modular, stats, transformer
+from benchmarks import harness, models, modular, stats
 
 ARMS = ("adamw", "stiefel")
 PROBE_ARM = "rsgd"
@@ -108,11 +109,22 @@ QUICK_CONFIG = dict(p=23, d_model=16, num_heads=2, d_mlp=64, log_every=25)
 # Model, data, optimizers.
 
 
-def make_model(cfg: Config) -> transformer.Transformer:
-  return transformer.Transformer(
+def make_model(cfg: Config) -> models.Transformer:
+  """The answer's logits from the tokens [a, b, =] (models' defaults: no
+  LayerNorm, no attention or readout bias, ReLU, last-token readout)."""
+  return models.Transformer(models.TransformerConfig(
       vocab_size=modular.vocab_size(cfg.p), seq_len=3, num_classes=cfg.p,
       d_model=cfg.d_model, num_heads=cfg.num_heads, d_mlp=cfg.d_mlp,
-      num_layers=cfg.num_layers)
+      depth=cfg.num_layers))
+
+
+def loss_and_accuracy(model: models.Transformer, params, tokens, labels):
+  """Mean cross-entropy on the answer token, and accuracy."""
+  logits = model.apply({"params": params}, tokens)
+  loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), labels).mean()
+  acc = jnp.mean(jnp.argmax(logits, -1) == labels)
+  return loss, acc
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,7 +146,7 @@ def make_data(cfg: Config, seed: int) -> modular.Split:
 def initial_params(cfg: Config, arm: str, seed: int):
   """The seed's initialisation; Stiefel arms replace each Q/K head by its
   nearest orthonormal frame (polar factor), every other weight identical."""
-  params = transformer.init_params(make_model(cfg), jax.random.PRNGKey(seed))
+  params = models.init_params(make_model(cfg), jax.random.PRNGKey(seed))
   return params if arm == "adamw" else so.orthonormalize(params)
 
 
@@ -174,7 +186,7 @@ def chunk_fn(cfg: Config, arm: str):
 
   def step(carry, data):
     params, opt_state = carry
-    grads = jax.grad(lambda p: transformer.loss_fn(model, p, *data))(params)
+    grads = jax.grad(lambda p: loss_and_accuracy(model, p, *data)[0])(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     new = optax.apply_updates(params, updates)
     return (new, opt_state), so.frame_movement(params, new)
@@ -193,10 +205,8 @@ def measure_fn(cfg: Config):
   model = make_model(cfg)
 
   def measure(params, data):
-    tl, ta = transformer.loss_and_accuracy(model, params, data.train_x,
-                                           data.train_y)
-    vl, va = transformer.loss_and_accuracy(model, params, data.val_x,
-                                           data.val_y)
+    tl, ta = loss_and_accuracy(model, params, data.train_x, data.train_y)
+    vl, va = loss_and_accuracy(model, params, data.val_x, data.val_y)
     return dict(train_loss=tl, train_acc=ta, val_loss=vl, val_acc=va,
                 iso=so.frame_isometry_errors(params),
                 norms=other_norms(params))

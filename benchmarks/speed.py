@@ -331,6 +331,8 @@ def _floor_products(w, g, m):
 
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
+  """The workload: a causal LM (`benchmarks.models`: pre-LN GELU blocks,
+  logits at every position) and its batch."""
   vocab: int = 512
   seq: int = 64
   batch: int = 16
@@ -344,40 +346,22 @@ class LMConfig:
             f" {self.d // self.heads}, MLP {self.mlp}, vocab {self.vocab},"
             f" batch {self.batch} x {self.seq} tokens")
 
+  def model(self):
+    # Imported here: flax is needed by this table only.
+    from benchmarks import models  # pylint: disable=g-import-not-at-top
+    return models.Transformer(models.TransformerConfig(
+        d_model=self.d, num_heads=self.heads, d_mlp=self.mlp,
+        num_classes=self.vocab, depth=self.layers, vocab_size=self.vocab,
+        seq_len=self.seq, activation="gelu", layer_norm=True, attn_bias=True,
+        head_bias=True, causal=True, readout="all", pos_std=0.02))
+
 
 LM_FULL, LM_QUICK = LMConfig(), LMConfig(vocab=64, seq=16, batch=4, d=32,
                                          heads=2, layers=1, mlp=64)
 
 
-def _lm(cfg: LMConfig):
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-
-  class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x, mask):
-      h = nn.LayerNorm(name="ln_1")(x)
-      x = x + nn.MultiHeadDotProductAttention(num_heads=cfg.heads,
-                                              name="attn")(h, mask=mask)
-      h = nn.LayerNorm(name="ln_2")(x)
-      h = nn.gelu(nn.Dense(cfg.mlp, name="fc")(h))
-      return x + nn.Dense(cfg.d, name="proj")(h)
-
-  class LM(nn.Module):
-    @nn.compact
-    def __call__(self, tokens):
-      x = nn.Embed(cfg.vocab, cfg.d, name="embed")(tokens)
-      x = x + self.param("pos_embed", nn.initializers.normal(0.02),
-                         (cfg.seq, cfg.d))
-      mask = nn.make_causal_mask(tokens)
-      for i in range(cfg.layers):
-        x = Block(name=f"block_{i}")(x, mask)
-      return nn.Dense(cfg.vocab, name="unembed")(nn.LayerNorm(name="ln_f")(x))
-
-  return LM()
-
-
 def train_step_comparison(cfg: LMConfig, iters: int) -> Dict[str, Any]:
-  model = _lm(cfg)
+  model = cfg.model()
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq + 1)))
   params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens[:, :-1])["params"]

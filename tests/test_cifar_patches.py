@@ -14,7 +14,7 @@ import pytest
 
 import stiefel_optax as so
 from benchmarks import cifar_data, cifar_patches as cp, harness, stats
-from benchmarks.patch_vit import PatchViT, PatchViTConfig, patchify
+from benchmarks.models import PatchViTConfig, patchify
 
 
 # ---------------------------------------------------------------- data
@@ -102,8 +102,7 @@ def test_patchify_and_model_shapes():
   p = patchify(x, 4)
   assert p.shape == (2, 64, 48)
   np.testing.assert_array_equal(p[0, 1], x[0, 0:4, 4:8].reshape(-1))
-  cfg = PatchViTConfig(dim=16, heads=2)
-  model = PatchViT(cfg)
+  model = PatchViTConfig(dim=16, heads=2).build()
   params = model.init(jax.random.PRNGKey(0), x)["params"]
   assert model.apply({"params": params}, x).shape == (2, 10)
   assert len(so.selected(params)) == 2
@@ -127,7 +126,7 @@ def test_seed_stream_is_paired_and_drawn_from_pool():
 
 
 def test_paired_init_shares_non_qk_parameters():
-  model = PatchViT(PatchViTConfig(dim=16, heads=2))
+  model = PatchViTConfig(dim=16, heads=2).build()
   a = cp.init_params(model, cp.ARMS["adamw"], 7)
   b = cp.init_params(model, cp.ARMS["stiefel"], 7)
   frames = so.selected(a)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import stiefel_optax as so
-from benchmarks import grokking, harness, modular, transformer
+from benchmarks import grokking, harness, modular
 
 TINY_CFG = grokking.Config(p=11, d_model=16, num_heads=2, d_mlp=32,
                            log_every=10, train_fraction=0.5)
@@ -63,17 +63,6 @@ def test_arms_share_every_non_qk_weight():
   so.check_frames(ps, atol=1e-5)
   with pytest.raises(ValueError, match="off the Stiefel manifold"):
     so.check_frames(pa, atol=1e-5)
-
-
-def test_transformer_reads_the_last_token():
-  model = transformer.Transformer(vocab_size=12, seq_len=3, num_classes=11,
-                                  d_model=16, num_heads=2, d_mlp=32,
-                                  num_layers=2)
-  params = transformer.init_params(model, jax.random.PRNGKey(0))
-  tokens = np.array([[1, 2, 11], [3, 4, 11]], np.int32)
-  assert model.apply({"params": params}, tokens).shape == (2, 11)
-  with pytest.raises(ValueError, match="seq_len"):
-    model.apply({"params": params}, tokens[:, :2])
 
 
 def test_statistics_of_histories():

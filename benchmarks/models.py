@@ -1,0 +1,179 @@
+"""The benchmarks' one transformer (Flax linen), configured per benchmark.
+
+    input      integer tokens (`nn.Embed`) or images cut into square patches
+               (`nn.Dense` on `patchify`), plus a learned position embedding;
+    blocks     `depth` residual blocks x + Attn(LN x), then x + MLP(LN x),
+               attention `flax.linen.MultiHeadDotProductAttention` (optionally
+               causal), MLP activation ReLU or GELU, LayerNorm on or off;
+    readout    logits from the last position, from the mean over positions,
+               or at every position (a language model).
+
+The attention query/key kernels have shape (d_model, heads, head_dim) at
+`block_<i>/attn/{query,key}/kernel`, the layout `stiefel_optax` selects by
+default ("flax").
+
+Users: grokking (`benchmarks.grokking.make_model`), CIFAR (`PatchViTConfig`
+below), the speed benchmark's causal LM (`benchmarks.speed.LMConfig`).
+`tests/test_models.py` pins the parameters and outputs these benchmarks'
+recorded runs were made with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+INPUTS = ("tokens", "patches")
+READOUTS = ("last", "mean", "all")
+ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """The model. Defaults: grokking's one-layer model (no LayerNorm, no
+  biases in attention or readout, ReLU, last-token readout)."""
+  d_model: int
+  num_heads: int
+  d_mlp: int
+  num_classes: int                 # logits per read-out position
+  depth: int = 1
+  inputs: str = "tokens"           # "tokens" | "patches"
+  vocab_size: int = 0              # tokens only
+  seq_len: Optional[int] = None    # positions; None: the input's (patches)
+  patch: int = 4                   # patches only: the side of a patch
+  activation: str = "relu"         # "relu" | "gelu"
+  layer_norm: bool = False         # pre-LN blocks and a final LayerNorm
+  attn_bias: bool = False
+  head_bias: bool = False
+  causal: bool = False
+  readout: str = "last"            # "last" | "mean" | "all"
+  pos_std: Optional[float] = None  # init std of the position (and token)
+                                   # embeddings; None: 1 / sqrt(d_model)
+
+  def __post_init__(self):
+    for name, value, allowed in (("inputs", self.inputs, INPUTS),
+                                 ("readout", self.readout, READOUTS),
+                                 ("activation", self.activation, ACTIVATIONS)):
+      if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}; got {value!r}.")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model = {self.d_model} is not divisible by"
+                       f" num_heads = {self.num_heads}.")
+    if self.inputs == "tokens" and (self.vocab_size < 1 or not self.seq_len):
+      raise ValueError("a token model needs vocab_size and seq_len.")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+# Flax derives each parameter's initial value from its module path, so these
+# names are part of the numerics: token models keep the names the grokking
+# runs were made with, patch models those of the CIFAR runs.
+_NAMES = {"tokens": dict(pos="pos_embed", ln="ln_final", head="unembed"),
+          "patches": dict(pos="pos", ln="ln_out", head="head")}
+
+
+def patchify(images: jnp.ndarray, patch: int) -> jnp.ndarray:
+  """(B, H, W, C) -> (B, (H/p)(W/p), p*p*C), row-major over patches."""
+  b, h, w, c = images.shape
+  if h % patch or w % patch:
+    raise ValueError(f"image {h}x{w} is not divisible into {patch}x{patch} patches.")
+  x = images.reshape(b, h // patch, patch, w // patch, patch, c)
+  x = x.transpose(0, 1, 3, 2, 4, 5)
+  return x.reshape(b, (h // patch) * (w // patch), patch * patch * c)
+
+
+class Block(nn.Module):
+  """x + Attn(LN x), then x + MLP(LN x) (LN: identity when layer_norm is
+  off). `last_only`: attend from the last position alone, for a last-token
+  readout (the same logits without the unread positions' work)."""
+  cfg: TransformerConfig
+  last_only: bool = False
+
+  def _norm(self, name, x):
+    return nn.LayerNorm(name=name)(x) if self.cfg.layer_norm else x
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    h = self._norm("ln_attn", x)
+    # The last position's causal mask row admits every key: no mask needed.
+    mask = (nn.make_causal_mask(x[..., 0]) if cfg.causal and not self.last_only
+            else None)
+    q = h[:, -1:] if self.last_only else h
+    x = (x[:, -1:] if self.last_only else x) + nn.MultiHeadDotProductAttention(
+        num_heads=cfg.num_heads, qkv_features=cfg.d_model,
+        out_features=cfg.d_model, use_bias=cfg.attn_bias,
+        name="attn")(q, h, mask=mask)
+    h = self._norm("ln_mlp", x)
+    h = ACTIVATIONS[cfg.activation](nn.Dense(cfg.d_mlp, name="mlp_in")(h))
+    return x + nn.Dense(cfg.d_model, name="mlp_out")(h)
+
+
+class Transformer(nn.Module):
+  """Logits (batch, num_classes), or (batch, seq, num_classes) for
+  readout "all"; see the module docstring."""
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg, names = self.cfg, _NAMES[self.cfg.inputs]
+    std = (1.0 / jnp.sqrt(cfg.d_model)) if cfg.pos_std is None else cfg.pos_std
+    if cfg.inputs == "tokens":
+      x = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed",
+                   embedding_init=nn.initializers.normal(std))(x)
+    else:
+      x = nn.Dense(cfg.d_model, name="embed")(patchify(x, cfg.patch))
+    if cfg.seq_len is not None and x.shape[1] != cfg.seq_len:
+      raise ValueError(f"the input has {x.shape[1]} positions; the model was"
+                       f" built for seq_len = {cfg.seq_len}.")
+    x = x + self.param(names["pos"], nn.initializers.normal(std), x.shape[1:])
+    for i in range(cfg.depth):
+      x = Block(cfg, last_only=cfg.readout == "last" and i == cfg.depth - 1,
+                name=f"block_{i}")(x)
+    if cfg.layer_norm:
+      x = nn.LayerNorm(name=names["ln"])(x)
+    if cfg.readout == "last":
+      x = x[:, -1]
+    elif cfg.readout == "mean":
+      x = x.mean(axis=1)
+    return nn.Dense(cfg.num_classes, use_bias=cfg.head_bias,
+                    name=names["head"])(x)
+
+
+def init_params(model: Transformer, key: jax.Array, inputs=None):
+  """The model's parameters, initialised on `inputs` (default: zero tokens
+  of shape (1, seq_len))."""
+  if inputs is None:
+    inputs = jnp.zeros((1, model.cfg.seq_len), jnp.int32)
+  return model.init(key, inputs)["params"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchViTConfig:
+  """The CIFAR benchmark's model, in the sizes its runs record: these
+  fields (`dataclasses.asdict`) are part of each CIFAR run's identity, so
+  they stay as they are. Defaults: the scaled-down model. `build()` is the
+  `Transformer` they name: pre-LN GELU blocks with attention biases,
+  positions initialised with std 0.02, LayerNorm, mean pool, a biased head."""
+  patch: int = 4
+  dim: int = 32
+  heads: int = 2
+  depth: int = 1
+  mlp_ratio: int = 2
+  num_classes: int = 10
+
+  def config(self) -> TransformerConfig:
+    return TransformerConfig(
+        d_model=self.dim, num_heads=self.heads, d_mlp=self.mlp_ratio * self.dim,
+        num_classes=self.num_classes, depth=self.depth, inputs="patches",
+        patch=self.patch, activation="gelu", layer_norm=True, attn_bias=True,
+        head_bias=True, readout="mean", pos_std=0.02)
+
+  def build(self) -> Transformer:
+    return Transformer(self.config())
