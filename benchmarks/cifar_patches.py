@@ -7,12 +7,16 @@ against AdamW, with data scaling, baselines and ablations (paired seeds).
     python -m benchmarks.cifar_patches --report-only --out benchmarks/results/cifar \
         --data PATH --results-md benchmarks/RESULTS.md   # the committed tables
 
-Every arm trains the same `PatchViT` with the same AdamW on every parameter
+Every arm trains the same patch transformer (`benchmarks.models`,
+`PatchViTConfig`) with the same AdamW on every parameter
 except the attention query/key kernels, whose optimizer is the arm's recipe
 (an `optax.chain` of the library's transforms). Seed s fixes the training
 subset, the non-Q/K initialisation and the batch order for every arm. Each
-arm's Q/K learning rate (and the Stiefel step cap) is chosen on a validation
-split carved from the training images; the test images are only evaluated.
+arm's hyperparameters (AdamW: lr x weight decay, also every arm's non-Q/K
+AdamW; Stiefel: Q/K lr x cap; RSGD: lr) are chosen on a validation split
+carved from the training images, by the mean over three tuning seeds, on
+grids widened until the choice is interior; the test images are only
+evaluated.
 Each finished run is written at once to <out>/runs/ (default runs/cifar/,
 ignored by git); a rerun skips it if its identity (configuration, data md5,
 library version: `benchmarks.harness`) is unchanged.
@@ -23,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import itertools
 import json
 import os
 import pathlib
@@ -105,7 +108,7 @@ def qk_no_cap(lr, *, eps=1e-8, **_):
   return so.stiefel_adam(lr, eps=eps, max_step_norm=None)
 
 
-# The Q/K frames of `PatchViT`'s (d, heads, head_dim) kernels: one frame per
+# The Q/K frames of the patch transformer's (d, heads, head_dim) kernels: one frame per
 # head (the library's default), or one (d, heads * head_dim) frame per
 # projection (the `whole_frame` ablation).
 PER_HEAD = "flax"
@@ -304,43 +307,20 @@ class Task(NamedTuple):
     return f"{self.arm}__n{self.n}__s{self.seed}"
 
 
-def hp_key(hp: dict) -> str:
-  return "_".join(f"{k}{v:g}" for k, v in sorted(hp.items())) or "none"
+hp_key = harness.point_key
 
 
 # --------------------------------------------------------------------------
-# Tuning: product grids, the mean over tuning seeds, edges extended.
+# Tuning: product grids (harness.grid_points), the mean over tuning seeds,
+# edges widened (harness.extend_axes) until the best point is interior.
 
-
-def grid_points(axes) -> list:
-  """The points {name: value} of the product grid of `axes`, in order."""
-  names = [name for name, _ in axes]
-  return [dict(zip(names, vals))
-          for vals in itertools.product(*(v for _, v in axes))]
+grid_points = harness.grid_points
+extend_axes = harness.extend_axes
 
 
 def best_point(axes, scores: dict) -> dict:
-  """The grid point with the highest score (ties: first in grid order);
-  scores maps hp_key(point) to the mean validation accuracy."""
-  points = grid_points(axes)
-  return max(points, key=lambda p: (scores[hp_key(p)], -points.index(p)))
-
-
-def extend_axes(axes, best: dict) -> Optional[tuple]:
-  """`axes` with every axis whose best value is its first or last value
-  extended one geometric step beyond it; None when the best is interior on
-  every axis (or an axis has a single value: nothing to extend)."""
-  out, changed = [], False
-  for name, vals in axes:
-    vals = tuple(vals)
-    if len(vals) >= 2 and best[name] in (vals[0], vals[-1]):
-      lo = best[name] == vals[0]
-      a, b = (vals[0], vals[1]) if lo else (vals[-1], vals[-2])
-      new = float(f"{a * a / b:.3g}")
-      vals = (new,) + vals if lo else vals + (new,)
-      changed = True
-    out.append((name, vals))
-  return tuple(out) if changed else None
+  """The grid point of highest mean validation accuracy (ties: first)."""
+  return harness.best_point(axes, scores, higher_is_better=True)
 
 
 class Bench:
