@@ -103,6 +103,23 @@ def qk_per_coordinate(lr, *, cap=so.aliases.DEFAULT_MAX_STEP_NORM, eps=1e-8, **_
       so.retract_polar(max_step_norm=cap))
 
 
+def qk_stiefel_muon(lr, **_):
+  """Manifold Muon: polar(W - lr P_W(msign(tangent momentum)))."""
+  return so.stiefel_muon(lr)
+
+
+def qk_muon(lr, *, weight_decay, **_):
+  """optax.contrib.muon on each head's (d, head_dim) view, unconstrained,
+  with Moonlight's consistent-RMS scale 0.2 (so its lr reads like AdamW's)
+  and the model's weight decay."""
+  dims = lambda params: jax.tree.map(
+      lambda _: optax.contrib.MuonDimensionNumbers(reduction_axis=-2,
+                                                   output_axis=-1), params)
+  return optax.contrib.muon(lr, beta=0.95, nesterov=True,
+                            weight_decay=weight_decay, consistent_rms=0.2,
+                            muon_weight_dimension_numbers=dims)
+
+
 def qk_no_cap(lr, *, eps=1e-8, **_):
   """Ablation: Stiefel-Adam without the trust-region cap."""
   return so.stiefel_adam(lr, eps=eps, max_step_norm=None)
@@ -138,6 +155,8 @@ class Arm(NamedTuple):
   tune_from: Optional[str] = None
   fixed: tuple = ()
   group: str = "main"
+  own_base: bool = False     # a whole-model AdamW recipe: its own lr, wd
+  qk_norm: bool = False      # the model with per-head query/key norm
 
 
 def make_arms() -> dict:
@@ -157,6 +176,17 @@ def make_arms() -> dict:
       Arm("no_cap", qk_no_cap, tune_from="stiefel", group="ablation"),
       Arm("whole_frame", qk_stiefel, per_head=False, tune_from="stiefel",
           group="ablation"),
+  ]
+  adamw_grid = arms[0].grid
+  arms += [   # the strongest alternatives (issue 14), at the largest n
+      Arm("stiefel_muon", qk_stiefel_muon,
+          grid=(("lr", (0.01, 0.03, 0.1)),), group="competitor"),
+      Arm("muon", qk_muon, orthonormal=False,
+          grid=(("lr", (1e-3, 3e-3, 1e-2)),), group="competitor"),
+      Arm("qk_norm", qk_adamw, orthonormal=False, grid=adamw_grid,
+          own_base=True, qk_norm=True, group="competitor"),
+      Arm("orthogonal_init", qk_adamw, grid=adamw_grid, own_base=True,
+          group="competitor"),
   ]
   for eps in (1e-3, 1e-2, 1e-1):
     arms.append(Arm(f"eps_{eps:g}", qk_stiefel, tune_from="stiefel",
@@ -336,6 +366,7 @@ class Bench:
     self.fp = fingerprint(cfg, data.source)
     self.store = harness.RunStore(out, indent=1)
     self.model = cfg.model.build()
+    self._models = {False: self.model}
     mean, std = cifar_data.channel_stats(data.x_train)
     self.mean, self.std = jnp.asarray(mean), jnp.asarray(std)
     self.x = jnp.asarray(data.x_train)
@@ -344,7 +375,7 @@ class Bench:
     self.y_test = jnp.asarray(data.y_test.astype(np.int32))
     self.pool, self.val = validation_split(len(data.x_train), cfg)
     self.all_train = np.arange(len(data.x_train))
-    self.accuracy = make_eval_fn(self.model, self.mean, self.std)
+    self._accuracy = {}
     self._epoch_fns = {}
     (self.out / "runs").mkdir(parents=True, exist_ok=True)
 
@@ -356,7 +387,8 @@ class Bench:
     try:   # stale if the chosen hyperparameters have changed since
       if task.kind == "run" and rec.get("hp") != self.chosen(task.arm):
         return None
-      if task.arm != "adamw" and rec.get("base") != self.base():
+      if (task.arm != "adamw" and not self.arms[task.arm].own_base
+          and rec.get("base") != self.base()):
         return None
     except RuntimeError:
       return None
@@ -427,8 +459,20 @@ class Bench:
     if key not in self._epoch_fns:
       steps = (n // self.cfg.batch) * self.cfg.epochs
       tx = make_tx(arm, hp, base, steps, self.cfg)
-      self._epoch_fns[key] = (tx, make_epoch_fn(self.model, tx, self.mean, self.std))
+      self._epoch_fns[key] = (tx, make_epoch_fn(self.model_of(arm), tx,
+                                                self.mean, self.std))
     return self._epoch_fns[key]
+
+  def model_of(self, arm: Arm) -> Transformer:
+    if arm.qk_norm not in self._models:
+      self._models[arm.qk_norm] = self.cfg.model.build(qk_norm=arm.qk_norm)
+    return self._models[arm.qk_norm]
+
+  def accuracy(self, arm: Arm):
+    if arm.qk_norm not in self._accuracy:
+      self._accuracy[arm.qk_norm] = make_eval_fn(self.model_of(arm), self.mean,
+                                                 self.std)
+    return self._accuracy[arm.qk_norm]
 
   def execute(self, task: Task) -> dict:
     """Trains one (arm, seed, n) or one tuning point and writes its JSON."""
@@ -438,7 +482,7 @@ class Bench:
     arm, cfg = self.arms[task.arm], self.cfg
     tuning = task.kind == "tune"
     hp = dict(task.hp) if tuning else self.chosen(task.arm)
-    base = ({k: hp[k] for k in BASE_KEYS} if task.arm == "adamw"
+    base = ({k: hp[k] for k in BASE_KEYS} if task.arm == "adamw" or arm.own_base
             else self.base())
     pool = self.pool if tuning else self.all_train
     ex, ey = ((self.x[self.val], self.y[self.val]) if tuning
@@ -446,7 +490,7 @@ class Bench:
     t0 = time.time()
     idx = seed_stream(task.seed, pool, task.n, cfg)
     tx, epoch = self.epoch_fn(arm, hp, base, task.n)
-    params = init_params(self.model, arm, task.seed)
+    params = init_params(self.model_of(arm), arm, task.seed)
     start = params
     opt_state = tx.init(params)
     curve, losses = [], []
@@ -454,7 +498,7 @@ class Bench:
       params, opt_state, loss = epoch(params, opt_state, self.x, self.y,
                                       jnp.asarray(idx[e]))
       losses.append(float(loss))
-      curve.append(float(self.accuracy(params, ex, ey)))
+      curve.append(float(self.accuracy(arm)(params, ex, ey)))
     iso = float(so.max_isometry_error(params, frames_of(arm.per_head)))
     move = so.frame_movement(start, params, frames_of(arm.per_head))
     rec = {
@@ -498,7 +542,7 @@ def plan(bench: Bench, sizes: Sequence[int], main_seeds: Sequence[int],
     for n in sorted(sizes, reverse=True):
       for s in (s for s in main_seeds if harness.seed_block(s) == block):
         tasks += [Task("run", a, s, n) for a in main]
-  for group in ("baseline", "ablation", "eps"):
+  for group in ("competitor", "baseline", "ablation", "eps"):
     for a in (a for a in arms if bench.arms[a].group == group):
       tasks += [Task("tune", a, -1, len(bench.pool))]
       tasks += [Task("run", a, s, max(sizes)) for s in other_seeds]

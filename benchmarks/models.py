@@ -53,6 +53,8 @@ class TransformerConfig:
   readout: str = "last"            # "last" | "mean" | "all"
   pos_std: Optional[float] = None  # init std of the position (and token)
                                    # embeddings; None: 1 / sqrt(d_model)
+  qk_norm: bool = False            # flax's normalize_qk: LayerNorm (no bias)
+                                   # on each head's queries and keys
 
   def __post_init__(self):
     for name, value, allowed in (("inputs", self.inputs, INPUTS),
@@ -109,7 +111,7 @@ class Block(nn.Module):
     x = (x[:, -1:] if self.last_only else x) + nn.MultiHeadDotProductAttention(
         num_heads=cfg.num_heads, qkv_features=cfg.d_model,
         out_features=cfg.d_model, use_bias=cfg.attn_bias,
-        name="attn")(q, h, mask=mask)
+        normalize_qk=cfg.qk_norm, name="attn")(q, h, mask=mask)
     h = self._norm("ln_mlp", x)
     h = ACTIVATIONS[cfg.activation](nn.Dense(cfg.d_mlp, name="mlp_in")(h))
     return x + nn.Dense(cfg.d_model, name="mlp_out")(h)
@@ -175,5 +177,7 @@ class PatchViTConfig:
         patch=self.patch, activation="gelu", layer_norm=True, attn_bias=True,
         head_bias=True, readout="mean", pos_std=0.02)
 
-  def build(self) -> Transformer:
-    return Transformer(self.config())
+  def build(self, qk_norm: bool = False) -> Transformer:
+    """The model; qk_norm (an arm's architecture change, not a field: the
+    fields are the runs' identity) adds flax's per-head query/key norm."""
+    return Transformer(dataclasses.replace(self.config(), qk_norm=qk_norm))

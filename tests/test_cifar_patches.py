@@ -140,7 +140,11 @@ def test_paired_init_shares_non_qk_parameters():
   assert float(so.max_isometry_error(b, cp.WHOLE_FRAME)) > 1e-2   # per head only
 
 
-@pytest.mark.parametrize("name", [a for a in cp.ARMS if a != "adamw"])
+RETRACTING = [a for a, arm in cp.ARMS.items()
+              if arm.recipe not in (cp.qk_adamw, cp.qk_muon)]
+
+
+@pytest.mark.parametrize("name", RETRACTING)
 def test_recipes_keep_frames_orthonormal(name):
   arm = cp.ARMS[name]
   hp = {"lr": 0.05, "cap": 0.1}
@@ -157,6 +161,31 @@ def test_recipes_keep_frames_orthonormal(name):
   assert float(jnp.max(so.isometry_error(w))) < 1e-4
   moved = float(jnp.max(jnp.abs(w - w0)))
   assert (moved == 0.0) == (name == "frozen")
+
+
+def test_competitor_arms_train(tmp_path):
+  """stiefel_muon, muon, qk_norm and orthogonal_init train a quick model:
+  the manifold arm ends orthonormal, the AdamW recipes start where they
+  should, qk_norm's model has the per-head norms, and its AdamW is its own
+  (lr, weight decay), not the adamw arm's."""
+  cfg = cp.quick_config()
+  data = cifar_data.synthetic(448, cfg.val_size)
+  inherit = {"adamw": {"lr": 3e-3, "weight_decay": 0.05},
+             "stiefel_muon": {"lr": 0.03}, "muon": {"lr": 3e-3},
+             "qk_norm": {"lr": 1e-2, "weight_decay": 0.01},
+             "orthogonal_init": {"lr": 1e-2, "weight_decay": 0.01}}
+  bench = cp.Bench(data, cfg, tmp_path, cp.ARMS, inherit)
+  recs = {a: bench.execute(cp.Task("run", a, 0, 384)) for a in inherit if a != "adamw"}
+  assert all(np.isfinite(r["test_acc"]) for r in recs.values())
+  assert recs["stiefel_muon"]["qk_isometry_error"] < 1e-4
+  assert recs["stiefel_muon"]["base"] == inherit["adamw"]
+  assert recs["qk_norm"]["base"] == inherit["qk_norm"]
+  params = cp.init_params(bench.model_of(cp.ARMS["qk_norm"]), cp.ARMS["qk_norm"], 0)
+  assert "query_ln" in params["block_0"]["attn"] and "key_ln" in params["block_0"]["attn"]
+  start = cp.init_params(bench.model, cp.ARMS["orthogonal_init"], 0)
+  assert float(so.max_isometry_error(start, "flax")) < 1e-5
+  plain = cp.init_params(bench.model, cp.ARMS["muon"], 0)
+  assert float(so.max_isometry_error(plain, "flax")) > 0.1
 
 
 def test_per_coordinate_ablation_is_not_scale_free():
