@@ -252,11 +252,12 @@ def test_heads_sharded_moves_no_frame_between_devices(sharded):
   assert heads["hlo_has"]["f32[1,32,4]"]
   for op in NO_MOVES:
     assert heads["collectives"][op] == [], op
-  # No array data crosses devices: only the retraction's whole-batch
-  # decisions, one pred per frame leaf for "every frame certified" (the
-  # lax.cond of geometry._certified_polar) and one for the fallback loop's
-  # "any frame still active" (inside the cond's fallback branch).
-  assert operands(heads["collectives"]["all-reduce"]) == {"pred[]": 8}
+  # No array data crosses devices: only whole-batch decisions, per frame
+  # leaf one pred for "every frame certified" (the lax.cond of
+  # geometry._certified_polar), one for the fallback loop's "any frame
+  # still active" (inside the cond's fallback branch) and one for "some
+  # frame's ||G||^2 - ||sym(W^T G)||^2 cancels" (transforms.tangent_sq_norm).
+  assert operands(heads["collectives"]["all-reduce"]) == {"pred[]": 12}
 
 
 def test_fsdp_sharded_update_equals_unsharded(sharded):
@@ -273,14 +274,16 @@ def test_fsdp_reduces_only_gram_blocks_and_scalars(sharded):
   Per kernel: the (r x r) = (32 x 32) blocks W^T G (projection), W^T m
   (moment transport), (W + xi)^T (W + xi) (retraction) and Q^T Q in the
   retraction's fallback branch (not run on the fast path), and the
-  per-frame scalars ||g||_F^2 (second moment), ||xi||_F (trust region) and
-  ||xi||_F again (Newton-Schulz bound, after the cap). Nothing moves a
-  frame or a row block."""
+  per-frame scalars ||G||_F^2 and, in the cancellation branch of
+  `tangent_sq_norm` (not run unless a gradient is nearly normal),
+  ||P_W G||_F^2 (second moment), ||xi||_F (trust region) and ||xi||_F again
+  (Newton-Schulz bound, after the cap). Nothing moves a frame or a row
+  block."""
   collect = sharded["fsdp"]["collectives"]
   for op in NO_MOVES:
     assert collect[op] == [], (op, collect[op])
   assert operands(collect["all-reduce"]) == {"f32[4,32,32]": 16,
-                                             "f32[4]": 12}
+                                             "f32[4]": 16}
 
 
 def test_fused_fsdp_update_equals_unsharded(sharded):
@@ -296,11 +299,11 @@ def test_fused_fsdp_update_equals_unsharded(sharded):
 
 def test_fused_fsdp_reduces_only_gram_blocks_and_scalars(sharded):
   """Two (64, 192) c_attn kernels under fused_qkv(4): frames (2, 4, 64, 16)
-  (q and k thirds, 4 heads); the same four (16 x 16) blocks and three
+  (q and k thirds, 4 heads); the same four (16 x 16) blocks and four
   per-frame scalars per kernel as above, and nothing for the v third, whose
   AdamW is elementwise on its own row blocks."""
   collect = sharded["fused_fsdp"]["collectives"]
   for op in NO_MOVES:
     assert collect[op] == [], (op, collect[op])
   assert operands(collect["all-reduce"]) == {"f32[2,4,16,16]": 8,
-                                             "f32[2,4]": 6}
+                                             "f32[2,4]": 8}
