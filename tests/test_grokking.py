@@ -13,10 +13,6 @@ import pytest
 import stiefel_optax as so
 from benchmarks import grokking, harness, modular
 
-# One worker runs this module: the tiny study (a module fixture) then
-# trains once, not once per worker (pyproject: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("grokking")
-
 TINY_CFG = grokking.Config(p=11, d_model=16, num_heads=2, d_mlp=32,
                            log_every=10, train_fraction=0.5)
 TINY = ["--p", "11", "--d-model", "16", "--num-heads", "2", "--d-mlp", "32",

@@ -34,10 +34,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# One worker runs this module: its module fixture (a subprocess) then runs
-# once, not once per worker (pyproject: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("sharding")
-
 CHILD = r'''
 import functools, json, re
 import jax, jax.numpy as jnp, numpy as np, optax

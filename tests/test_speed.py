@@ -17,10 +17,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# One worker runs this module: its module fixture (a subprocess) then runs
-# once, not once per worker (pyproject: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("speed")
-
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
