@@ -14,10 +14,31 @@ is the same pair for plain pytest functions.
 from __future__ import annotations
 
 import collections
+import fcntl
+import json
 
 import jax
 import numpy as np
 import pytest
+
+def once_per_session(tmp_path_factory, worker_id: str, name: str, make):
+  """make() (JSON-able) computed once per test session, also across
+  pytest-xdist workers: the first worker computes it under a file lock in
+  the session's shared temporary folder, the others read it (the pattern
+  of pytest-xdist's documentation, with fcntl for the lock). For module
+  fixtures that spawn a costly subprocess (speed, sharding)."""
+  if worker_id == "master":
+    return make()
+  root = tmp_path_factory.getbasetemp().parent
+  path = root / f"{name}.json"
+  with open(root / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if path.is_file():
+      return json.loads(path.read_text())
+    data = make()
+    path.write_text(json.dumps(data))
+    return data
+
 
 # Certificates: name -> largest measured relative error (float64 unless the
 # name says otherwise). Printed at the end of the session (`pytest -q -s` or

@@ -32,6 +32,8 @@ import sys
 
 import pytest
 
+from conftest import once_per_session
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r'''
@@ -206,7 +208,11 @@ print("RESULT " + json.dumps(result))
 
 
 @pytest.fixture(scope="module")
-def sharded():
+def sharded(tmp_path_factory, worker_id):
+  return once_per_session(tmp_path_factory, worker_id, "sharding", run_child)
+
+
+def run_child():
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       " --xla_force_host_platform_device_count=8").strip()

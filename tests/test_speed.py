@@ -15,19 +15,23 @@ import sys
 
 import pytest
 
+from conftest import once_per_session
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-  out = tmp_path_factory.mktemp("speed")
-  proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.speed", "--quick", "--out", str(out)],
-      cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  with open(out / "speed.json") as f:
-    res = json.load(f)
-  return res, (out / "speed.md").read_text(), proc.stdout
+def quick(tmp_path_factory, worker_id):
+  def make():
+    out = tmp_path_factory.mktemp("speed")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.speed", "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "speed.json") as f:
+      res = json.load(f)
+    return [res, (out / "speed.md").read_text(), proc.stdout]
+  return tuple(once_per_session(tmp_path_factory, worker_id, "speed_quick", make))
 
 
 def test_prints_and_writes_the_tables(quick):
