@@ -144,7 +144,7 @@ class Arm(NamedTuple):
   hyperparameters tried on the validation split; None inherits the chosen
   point of `tune_from` (ablations change one ingredient at the tuned
   setting). An axis whose best value lies on its edge is extended
-  geometrically (`tuned_axes`) until the best is interior. fixed:
+  geometrically (`Bench.tuning`) until the best is interior. fixed:
   hyperparameters of the recipe that are not tuned (e.g. eps).
   """
   name: str
@@ -395,20 +395,13 @@ class Bench:
     return rec
 
   # tuning -----------------------------------------------------------------
-  def tuned_axes(self, arm_name: str):
-    """(axes, finished): the arm's grid with its edges extended as far as
-    the finished tuning runs call for (at most cfg.max_extensions times),
-    and whether every run of that grid has finished."""
-    axes = self.arms[arm_name].grid
-    for extension in range(self.cfg.max_extensions + 1):
-      scores = self.scores(arm_name, axes)
-      if scores is None:
-        return axes, False
-      wider = extend_axes(axes, best_point(axes, scores))
-      if wider is None or extension == self.cfg.max_extensions:
-        return axes, True
-      axes = wider
-    raise AssertionError("unreachable")
+  def tuning(self, arm_name: str) -> harness.Tuning:
+    """The arm's grid with its edges widened as far as the finished tuning
+    runs call for (at most cfg.max_extensions times), its scores and
+    whether every run of it has finished (`harness.tuned_axes`)."""
+    return harness.tuned_axes(self.arms[arm_name].grid,
+                              lambda axes: self.scores(arm_name, axes),
+                              self.cfg.max_extensions)
 
   def scores(self, arm_name: str, axes) -> Optional[dict]:
     """{hp_key: mean validation accuracy over the tuning seeds}, or None
@@ -432,10 +425,10 @@ class Bench:
       return self.chosen(arm.tune_from)
     if not arm.grid:
       return {}
-    axes, finished = self.tuned_axes(arm_name)
-    if not finished:
+    tuning = self.tuning(arm_name)
+    if not tuning.finished:
       raise RuntimeError(f"{arm_name}: tuning runs unfinished.")
-    return best_point(axes, self.scores(arm_name, axes))
+    return best_point(tuning.axes, tuning.scores)
 
   def base(self) -> dict:
     """The non-Q/K AdamW of every arm: the adamw arm's chosen lr and weight
@@ -449,9 +442,9 @@ class Bench:
     arm = self.arms[arm_name]
     if not arm.grid or arm_name in self.inherit:
       return []
-    axes, _ = self.tuned_axes(arm_name)
     return [Task("tune", arm_name, s, len(self.pool), hp)
-            for hp in grid_points(axes) for s in self.cfg.tune_seeds]
+            for hp in grid_points(self.tuning(arm_name).axes)
+            for s in self.cfg.tune_seeds]
 
   # one run ----------------------------------------------------------------
   def epoch_fn(self, arm: Arm, hp: dict, base: dict, n: int):
