@@ -39,7 +39,7 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import cifar_data, harness, stats
+from benchmarks import cifar_data, harness, stats, training
 from benchmarks.models import PatchViTConfig, Transformer
 
 REFERENCE_OUT = harness.REFERENCE_ROOT / "cifar"
@@ -296,23 +296,15 @@ def normalize(x_uint8, mean, std):
 
 
 def make_epoch_fn(model: Transformer, tx, mean, std):
-  """jit(one epoch): lax.scan of AdamW/Stiefel steps over idx (steps, batch)."""
+  """jit(carry, idx (steps, batch), x, y) -> (carry, mean loss, None): one
+  epoch of `training.train_chunk`, a step per row of idx."""
 
   def loss_fn(params, xb, yb):
     logits = model.apply({"params": params}, normalize(xb, mean, std))
     return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
 
-  @jax.jit
-  def epoch(params, opt_state, x, y, idx):
-    def step(carry, i):
-      p, s = carry
-      loss, g = jax.value_and_grad(loss_fn)(p, x[i], y[i])
-      u, s = tx.update(g, s, p)
-      return (optax.apply_updates(p, u), s), loss
-    (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), idx)
-    return params, opt_state, losses.mean()
-
-  return epoch
+  return jax.jit(training.train_chunk(loss_fn, tx,
+                                      lambda i, x, y: (x[i], y[i])))
 
 
 def make_eval_fn(model: Transformer, mean, std):
@@ -488,8 +480,8 @@ class Bench:
     opt_state = tx.init(params)
     curve, losses = [], []
     for e in range(cfg.epochs):
-      params, opt_state, loss = epoch(params, opt_state, self.x, self.y,
-                                      jnp.asarray(idx[e]))
+      (params, opt_state), loss, _ = epoch(
+          (params, opt_state), jnp.asarray(idx[e]), self.x, self.y)
       losses.append(float(loss))
       curve.append(float(self.accuracy(arm)(params, ex, ey)))
     iso = float(so.max_isometry_error(params, frames_of(arm.per_head)))
@@ -618,13 +610,8 @@ def compare(recs, treatment: str, baseline: str, n: int,
   return out
 
 
-def with_holm(rows: list) -> list:
-  """rows (None for comparisons not run) with 'holm': the p-values
-  Holm-adjusted across the rows of the table."""
-  run = [r for r in rows if r is not None]
-  for r, h in zip(run, stats.holm([r["p"] for r in run])):
-    r["holm"] = h
-  return rows
+# What makes two rows of a comparison table the same comparison.
+COMPARISON_KEY = ("treatment", "baseline", "size")
 
 
 def comparisons(recs, block: str = "discovery") -> list:
@@ -639,21 +626,7 @@ def comparisons(recs, block: str = "discovery") -> list:
       for base in ("adamw", "stiefel"):
         if base != arm and (row := compare(recs, arm, base, n, block)) is not None:
           rows.append(row)
-  return with_holm(rows)
-
-
-def findings(discovery: list, confirmation: list) -> list:
-  """The confirmation rows that are findings under the claims policy:
-  Holm p < 0.05 across the confirmation table, same sign as on the
-  discovery seeds."""
-  first = {(r["treatment"], r["baseline"], r["size"]): r for r in discovery}
-  out = []
-  for r in confirmation:
-    d = first.get((r["treatment"], r["baseline"], r["size"]))
-    if (d is not None and r["holm"] < 0.05
-        and np.sign(r["mean_diff"]) == np.sign(d["mean_diff"]) != 0):
-      out.append(r)
-  return out
+  return stats.with_holm(rows)
 
 
 def chosen_table(recs) -> dict:
@@ -682,7 +655,7 @@ def markdown_table(rows) -> str:
         f" {r['mean_treatment']:.2f} ({r['loss_treatment']:.3f}) |"
         f" {r['mean_baseline']:.2f} ({r['loss_baseline']:.3f}) |"
         f" {fmt(r['mean_diff'])} [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}] |"
-        f" {r['t']:.2f} | {r['p']:.2g} | {r['holm']:.2g} | {r['wins']}/{r['n']} |")
+        f" {r['t']:.2f} | {r['p']:.2g} | {r['p_holm']:.2g} | {r['wins']}/{r['n']} |")
   return "\n".join(lines)
 
 
@@ -830,7 +803,7 @@ def paper_comparisons(recs) -> list:
                 & {r["n"] for r in recs if r["kind"] == "run" and r["arm"] == b})
       n = max(common) if common else None
     out.append(compare(recs, t, b, n) if n is not None else None)
-  return with_holm(out)
+  return stats.with_holm(out)
 
 
 def _ours(r) -> str:
@@ -838,7 +811,7 @@ def _ours(r) -> str:
     return "not run"
   return (f"{fmt(r['mean_diff'])} pp [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]"
           f" at n = {r['size']}, t = {r['t']:.2f}, p = {r['p']:.2g},"
-          f" Holm p = {r['holm']:.2g}, wins {r['wins']}/{r['n']}")
+          f" Holm p = {r['p_holm']:.2g}, wins {r['wins']}/{r['n']}")
 
 
 def paper_table(rows) -> str:
@@ -881,13 +854,13 @@ def claims_text(summary: dict) -> str:
     return (head + " No confirmation runs (seeds"
             f" {harness.format_seeds(harness.CONFIRMATION_SEEDS)}) are in this"
             " folder, so none of these comparisons is a finding yet.")
-  found = findings(summary["comparisons"], conf)
+  found = stats.confirmed(summary["comparisons"], conf, COMPARISON_KEY)
   lines = [head + f" Confirmation seeds run: {seeds.get('confirmation')};"
            f" {len(found)} of {len(conf)} comparisons confirmed (Holm p < 0.05"
            " on the confirmation seeds, same sign as on discovery):"]
   lines += [f"- {r['treatment']} - {r['baseline']}, n = {r['size']}:"
             f" {fmt(r['mean_diff'])} pp [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}],"
-            f" Holm p = {r['holm']:.2g}, wins {r['wins']}/{r['n']}" for r in found]
+            f" Holm p = {r['p_holm']:.2g}, wins {r['wins']}/{r['n']}" for r in found]
   lines += ["", "Confirmation runs, all comparisons:", "", markdown_table(conf)]
   return "\n".join(lines)
 

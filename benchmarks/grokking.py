@@ -49,7 +49,7 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import harness, models, modular, stats
+from benchmarks import harness, models, modular, stats, training
 
 ARMS = ("adamw", "stiefel")
 PROBE_ARM = "rsgd"
@@ -181,22 +181,13 @@ def other_norms(params) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def chunk_fn(cfg: Config, arm: str):
-  """jit((params, opt_state), data) -> (new carry, mean Q/K movement)."""
+  """jit(carry, None, train_x, train_y) -> (carry, mean loss, mean Q/K
+  movement): `log_every` full-batch steps of `training.train_chunk`."""
   model, tx = make_model(cfg), make_optimizer(cfg, arm)
-
-  def step(carry, data):
-    params, opt_state = carry
-    grads = jax.grad(lambda p: loss_and_accuracy(model, p, *data)[0])(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    new = optax.apply_updates(params, updates)
-    return (new, opt_state), so.frame_movement(params, new)
-
-  def chunk(carry, train_x, train_y):
-    carry, moves = jax.lax.scan(lambda c, _: step(c, (train_x, train_y)),
-                                carry, None, length=cfg.log_every)
-    return carry, jax.tree.map(lambda m: m.mean(0), moves)
-
-  return jax.jit(chunk)
+  loss = lambda p, x, y: loss_and_accuracy(model, p, x, y)[0]
+  return jax.jit(training.train_chunk(loss, tx, lambda _, x, y: (x, y),
+                                      aux_fn=so.frame_movement,
+                                      length=cfg.log_every))
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,20 +228,6 @@ def run_name(arm: str, seed: int) -> str:
   return f"{arm}_seed{seed}"
 
 
-def save_checkpoint(path: Path, carry) -> None:
-  leaves = [np.asarray(x) for x in jax.tree.leaves(carry)]
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = harness.temp_path(path)
-  np.savez(tmp, *leaves)
-  tmp.replace(path)
-
-
-def load_checkpoint(path: Path, like):
-  with np.load(path) as f:
-    leaves = [jnp.asarray(f[f"arr_{i}"]) for i in range(len(f.files))]
-  return jax.tree.unflatten(jax.tree.structure(like), leaves)
-
-
 def train_run(cfg: Config, arm: str, seed: int, steps: int,
               out: Optional[Path] = None, progress=None,
               save_every_s: float = 60.0, command: str = "") -> dict:
@@ -279,7 +256,7 @@ def train_run(cfg: Config, arm: str, seed: int, steps: int,
              wall_s=0.0, cpu_s=0.0, history=empty_history())
   if saved is not None and ckpt.exists():
     run = saved
-    carry = load_checkpoint(ckpt, carry)
+    carry = training.load_carry(ckpt, carry)
   hist = run["history"]
   if not hist["step"]:
     record(hist, 0, measure_fn(cfg)(carry[0], data), None)
@@ -292,7 +269,7 @@ def train_run(cfg: Config, arm: str, seed: int, steps: int,
   chunk, measure = chunk_fn(cfg, arm), measure_fn(cfg)
   t0, last_save, c0 = time.time(), time.time(), time.process_time()
   while done < steps:
-    carry, move = chunk(carry, data.train_x, data.train_y)
+    carry, _, move = chunk(carry, None, data.train_x, data.train_y)
     done += cfg.log_every
     record(hist, done, measure(carry[0], data), move)
     if progress is not None:
@@ -303,7 +280,7 @@ def train_run(cfg: Config, arm: str, seed: int, steps: int,
       run["cpu_s"] = run.get("cpu_s", 0.0) + time.process_time() - c0
       t0 = last_save = time.time()
       c0 = time.process_time()
-      save_checkpoint(ckpt, carry)
+      training.save_carry(ckpt, carry)
       store.save(name, run)
   if store is None:   # saved runs were timed at their last save
     run["wall_s"] += time.time() - t0

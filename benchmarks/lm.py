@@ -133,7 +133,7 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import harness, stats
+from benchmarks import harness, stats, training
 
 SECTION = "## Language model"
 REFERENCE_DIR = harness.REFERENCE_ROOT / "lm"
@@ -503,24 +503,22 @@ def eval_config(cfg: Config) -> Config:
 @functools.lru_cache(maxsize=None)
 def chunk_fn(cfg: Config, vocab_size: int):
   """jit(carry, start, train, seed keys) -> (carry, mean train loss) over
-  `eval_interval` steps."""
+  `eval_interval` steps of `training.train_chunk`, step `it`'s batch (and
+  dropout key) folded from the seed's keys."""
   model, tx = make_model(cfg, vocab_size), make_optimizer(cfg)
 
-  def step(carry, it, data, batch_key, drop_key):
-    params, opt_state = carry
+  def batch_of(it, data, batch_key, drop_key):
     x, y = get_batch(data, jax.random.fold_in(batch_key, it), cfg.batch_size,
                      cfg.block_size)
-    dk = jax.random.fold_in(drop_key, it) if cfg.dropout > 0 else None
-    loss, grads = jax.value_and_grad(
-        lambda p: loss_fn(model, p, x, y, dk))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
+    return x, y, jax.random.fold_in(drop_key, it) if cfg.dropout > 0 else None
+
+  train = training.train_chunk(lambda p, x, y, dk: loss_fn(model, p, x, y, dk),
+                               tx, batch_of)
 
   def chunk(carry, start, data, batch_key, drop_key):
-    its = start + jnp.arange(cfg.eval_interval)
-    carry, losses = jax.lax.scan(
-        lambda c, it: step(c, it, data, batch_key, drop_key), carry, its)
-    return carry, losses.mean()
+    carry, loss, _ = train(carry, start + jnp.arange(cfg.eval_interval), data,
+                           batch_key, drop_key)
+    return carry, loss
 
   return jax.jit(chunk, donate_argnums=0,
                  compiler_options=COMPILER_OPTIONS or None)
@@ -588,20 +586,6 @@ def run_name(cfg: Config, seed: int, data_id: str) -> str:
   return f"{cfg.arm}_seed{seed}_{harness.digest([identity_config(cfg), data_id], 8)}"
 
 
-def save_checkpoint(path: pathlib.Path, carry) -> None:
-  leaves = [np.asarray(x) for x in jax.tree.leaves(carry)]
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = harness.temp_path(path)
-  np.savez(tmp, *leaves)
-  tmp.replace(path)
-
-
-def load_checkpoint(path: pathlib.Path, like):
-  with np.load(path) as f:
-    leaves = [jnp.asarray(f[f"arr_{i}"]) for i in range(len(f.files))]
-  return jax.tree.unflatten(jax.tree.structure(like), leaves)
-
-
 def check_config(cfg: Config) -> None:
   if cfg.arm not in ARMS:
     raise SystemExit(f"arm must be one of {', '.join(ARMS)}; got {cfg.arm!r}.")
@@ -642,7 +626,7 @@ def train_run(cfg: Config, seed: int, corpus: Corpus,
              history={k: [] for k in ("step", "train_loss", "val_loss",
                                       "qk_iso", "lr", "chunk_loss", "wall_s")})
   if saved is not None and ckpt.exists():
-    run, carry = saved, load_checkpoint(ckpt, carry)
+    run, carry = saved, training.load_carry(ckpt, carry)
   hist = run["history"]
   estimate, chunk = (estimate_fn(eval_config(cfg), corpus.vocab_size),
                      chunk_fn(train_config(cfg), corpus.vocab_size))
@@ -682,7 +666,7 @@ def train_run(cfg: Config, seed: int, corpus: Corpus,
       timing()
       last_save = time.time()
       if done < stop:
-        save_checkpoint(ckpt, carry)
+        training.save_carry(ckpt, carry)
         store.save(name, run)
   if max_iters is None:
     full = float(full_loss_fn(eval_config(cfg), corpus.vocab_size)(carry[0],
@@ -801,9 +785,7 @@ def comparisons(gs: dict) -> list:
           mean_diff=-c["mean_diff"], ci_low=-c["ci_high"],
           ci_high=-c["ci_low"], t=-c["t"], p=c["p"], wins=c["wins"],
           losses=c["losses"]))
-  for c, p in zip(out, stats.holm([c["p"] for c in out])):
-    c["p_holm"] = p
-  return out
+  return stats.with_holm(out)
 
 
 def reference_checks(gs: dict) -> list:
@@ -1513,22 +1495,7 @@ def comparison_table(study: Study, runs: Mapping, block: str) -> list:
     r = paired_losses(runs.get(treat, {}), runs.get(base, {}), block)
     if r is not None:
       rows.append(dict(treatment=treat, baseline=base, **r))
-  for r, p in zip(rows, stats.holm([r["p"] for r in rows])):
-    r["p_holm"] = p
-  return rows
-
-
-def study_findings(discovery: list, confirmation: list) -> list:
-  """The confirmation rows that are findings under the claims policy: Holm
-  p < 0.05 across the confirmation table, the same sign as on discovery."""
-  first = {(r["treatment"], r["baseline"]): r for r in discovery}
-  out = []
-  for r in confirmation:
-    d = first.get((r["treatment"], r["baseline"]))
-    if (d is not None and np.isfinite(r["p_holm"]) and r["p_holm"] < 0.05
-        and np.sign(r["mean_diff"]) == np.sign(d["mean_diff"]) != 0):
-      out.append(r)
-  return out
+  return stats.with_holm(rows)
 
 
 def study_summary(study: Study, done: Mapping, data_id: str) -> dict:
@@ -1551,7 +1518,7 @@ def study_summary(study: Study, done: Mapping, data_id: str) -> dict:
       data=data_id, tuning=tunings, arms=arms,
       reference=dict(seeds=sorted(ref), runs=ref),
       discovery=disc, confirmation=conf,
-      findings=study_findings(disc, conf),
+      findings=stats.confirmed(disc, conf),
       done=len(planned) - len(left), planned=len(planned),
       next=None if not left else f"{left[0].stage} {left[0].arm}",
       complete=not left and len(planned) > len(study.reference_seeds)

@@ -72,3 +72,30 @@ def holm(pvalues: Sequence[float]) -> list:
     running = max(running, min(1.0, (finite.size - k) * p[i]))
     out[i] = running
   return out.tolist()
+
+
+def with_holm(rows: list) -> list:
+  """rows (dicts with a paired-t 'p'; None for a comparison not run) with
+  'p_holm': their p-values Holm-adjusted across the table."""
+  run = [r for r in rows if r is not None]
+  for r, p in zip(run, holm([r["p"] for r in run])):
+    r["p_holm"] = p
+  return rows
+
+
+def confirmed(discovery: list, confirmation: list,
+              key: Sequence[str] = ("treatment", "baseline")) -> list:
+  """The claims policy: the confirmation rows that are findings, i.e. Holm
+  p < 0.05 across the confirmation table (`with_holm`) and a mean
+  difference of the same sign as the same comparison's (rows agreeing on
+  `key`) on the discovery seeds. A row without a discovery twin is no
+  finding."""
+  ident = lambda r: tuple(r[k] for k in key)
+  first = {ident(r): r for r in discovery if r is not None}
+  out = []
+  for r in confirmation:
+    d = first.get(ident(r)) if r is not None else None
+    if (d is not None and np.isfinite(r["p_holm"]) and r["p_holm"] < 0.05
+        and np.sign(r["mean_diff"]) == np.sign(d["mean_diff"]) != 0):
+      out.append(r)
+  return out

@@ -214,7 +214,7 @@ def test_paired_statistics_and_sections(tmp_path):
   assert row["n"] == 4 and row["wins"] == 4 and row["seeds"] == [0, 1, 2, 3]
   assert 3.0 < row["mean_diff"] < 3.5 and row["ci_low"] < row["mean_diff"] < row["ci_high"]
   assert row["loss_treatment"] == 2.5 and row["loss_baseline"] == 1.5
-  assert "34.85 (2.500)" in cp.markdown_table(cp.with_holm([row]))
+  assert "34.85 (2.500)" in cp.markdown_table(stats.with_holm([row]))
   text = "# R\n\n## Grokking\n\nkeep me\n\n## CIFAR-10 patch benchmark\n\nold\n\n## Other\n\nkeep too\n"
   new = harness.replace_section(text, cp.SECTION, "## CIFAR-10 patch benchmark\n\nnew")
   assert "old" not in new and "new" in new
@@ -266,13 +266,25 @@ def _row(t, n, diff, p, seeds):
 
 
 def test_findings_need_confirmation_on_fresh_seeds():
-  disc = cp.with_holm([_row("stiefel", 1000, 0.75, 0.002, [0]),
-                       _row("rsgd", 8068, 1.5, 0.004, [0])])
-  conf = cp.with_holm([_row("stiefel", 1000, 0.13, 0.6, [500]),
-                       _row("rsgd", 8068, 1.4, 0.01, [500])])
-  assert [r["treatment"] for r in cp.findings(disc, conf)] == ["rsgd"]
-  flipped = cp.with_holm([_row("rsgd", 8068, -1.4, 0.01, [500])])
-  assert cp.findings(disc, flipped) == []
+  key = cp.COMPARISON_KEY
+  disc = stats.with_holm([_row("stiefel", 1000, 0.75, 0.002, [0]),
+                          _row("rsgd", 8068, 1.5, 0.004, [0])])
+  conf = stats.with_holm([_row("stiefel", 1000, 0.13, 0.6, [500]),
+                          _row("rsgd", 8068, 1.4, 0.01, [500])])
+  assert [r["treatment"] for r in stats.confirmed(disc, conf, key)] == ["rsgd"]
+  flipped = stats.with_holm([_row("rsgd", 8068, -1.4, 0.01, [500])])
+  assert stats.confirmed(disc, flipped, key) == []
+  # Another n is another comparison: no discovery twin, no finding.
+  other_n = stats.with_holm([_row("rsgd", 4000, 1.4, 0.01, [500])])
+  assert stats.confirmed(disc, other_n, key) == []
+  # Holm runs across the confirmation table: p = 0.03 alone is a finding,
+  # beside two null comparisons (adjusted 3 x 0.03 = 0.09) it is not.
+  alone = stats.with_holm([_row("rsgd", 8068, 1.4, 0.03, [500])])
+  crowded = stats.with_holm([_row("rsgd", 8068, 1.4, 0.03, [500]),
+                             _row("stiefel", 1000, 0.1, 0.5, [500]),
+                             _row("stiefel", 8068, 0.1, 0.6, [500])])
+  assert len(stats.confirmed(disc, alone, key)) == 1
+  assert stats.confirmed(disc, crowded, key) == []
   assert harness.seed_block(11) == "discovery"
   assert harness.seed_block(500) == "confirmation"
 
