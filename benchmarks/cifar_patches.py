@@ -497,7 +497,7 @@ class Bench:
         "train_loss": losses, "qk_isometry_error": iso,
         "qk_movement": float(sum(float(jnp.sum(m)) for m in move.values())),
         "wall_s": time.time() - t0, "data": self.data.source,
-        "identity": self.fp, "library_version": harness.library_version(),
+        "identity": self.fp, **harness.versions(),
         "code_hash": harness.code_hash(), "config": cfg.to_dict(),
         "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "machine": harness.machine(),

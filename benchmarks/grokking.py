@@ -250,7 +250,7 @@ def train_run(cfg: Config, arm: str, seed: int, steps: int,
   carry = (params, make_optimizer(cfg, arm).init(params))
   run = dict(arm=arm, seed=seed, config=dataclasses.asdict(cfg),
              identity=ident, data=data_id(cfg.p, cfg.op),
-             library_version=harness.library_version(),
+             **harness.versions(),
              machine=harness.machine(), trained_by=[],
              n_train=int(data.train_x.shape[0]), n_val=int(data.val_x.shape[0]),
              wall_s=0.0, cpu_s=0.0, history=empty_history())

@@ -6,13 +6,15 @@ grids, their best point, widened past the edges it lands on).
 Identity. A saved run is reused (not trained again) only if its `identity`
 equals `identity(config, data)` of the run about to be made: a hash of the
 configuration's content, the data's md5 (never its path) and the library's
-version string. No path or hostname enters it. The hash of the code that
+numerics version (`stiefel_optax.NUMERICS_VERSION`: the release whose
+numbers the code reproduces, bumped only when what the library computes
+changes). No path or hostname enters it. The hash of the code that
 made a run (`code_hash()`: the stiefel_optax and benchmarks sources) is
 recorded beside it as provenance only, so committed runs keep matching
-while the library changes under one version string. A report takes the
+while the library changes under one numerics version. A report takes the
 runs of the asked configuration and data whatever library version made
 them (`RunStore.load_matching`: the identity recomputed from the run's own
-version) and says which versions those were.
+numerics version) and says which versions those were.
 
 Outputs. By default every experiment writes under runs/<experiment>/ at the
 repository root, which git ignores. The committed reference results under
@@ -76,25 +78,40 @@ def md5_arrays(*arrays: np.ndarray) -> str:
 
 
 def library_version() -> str:
+  """The installed stiefel_optax release (provenance)."""
   import stiefel_optax  # pylint: disable=g-import-not-at-top
   return stiefel_optax.__version__
 
 
+def numerics_version() -> str:
+  """The release whose numbers the installed library computes (identity)."""
+  import stiefel_optax  # pylint: disable=g-import-not-at-top
+  return stiefel_optax.NUMERICS_VERSION
+
+
+def versions() -> dict:
+  """What a run records of the library: both of the above."""
+  return {"library_version": library_version(),
+          "numerics_version": numerics_version()}
+
+
 def identity(config: Mapping, data: str, version: Optional[str] = None) -> str:
   """The run identity: configuration content, data id (its md5) and the
-  library version string. Never a path, a hostname or a code hash."""
+  library's numerics version. Never a path, a hostname or a code hash."""
   return digest({"config": config, "data": data,
-                 "version": library_version() if version is None else version})
+                 "version": numerics_version() if version is None
+                 else version})
 
 
 def matches(rec: Mapping, config: Optional[Mapping] = None,
             data: Optional[str] = None) -> bool:
   """Whether a saved run's identity is that of `config` (default: its own)
-  and `data` under the library version it records."""
+  and `data` under the numerics version it records (runs older than 0.4.0
+  record only their release, which was then the numerics version)."""
   return rec.get("identity") == identity(
       rec.get("config") if config is None else config,
       rec.get("data") if data is None else data,
-      rec.get("library_version", ""))
+      rec.get("numerics_version", rec.get("library_version", "")))
 
 
 @functools.lru_cache(maxsize=None)

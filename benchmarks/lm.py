@@ -620,7 +620,7 @@ def train_run(cfg: Config, seed: int, corpus: Corpus,
   carry = (params, make_optimizer(cfg).init(params))
   run = dict(name=name, arm=cfg.arm, seed=seed, block=harness.seed_block(seed),
              config=identity_config(cfg), identity=ident, data=corpus.data_id,
-             library_version=harness.library_version(),
+             **harness.versions(),
              machine=harness.machine(), trained_by=[],
              n_params=n_params(params), wall_s=0.0, cpu_s=0.0, final=None,
              history={k: [] for k in ("step", "train_loss", "val_loss",

@@ -250,9 +250,14 @@ def _split_qk(tree):
   return qk, rest
 
 
+STACKED = "stiefel_attention, stack_frames"
+
+
 def optimizers(lr: float = 1e-3):
   return {"adamw": optax.adamw(lr, weight_decay=1e-4),
-          "stiefel_attention": so.stiefel_attention(lr, weight_decay=1e-4)}
+          "stiefel_attention": so.stiefel_attention(lr, weight_decay=1e-4),
+          STACKED: so.stiefel_attention(lr, weight_decay=1e-4,
+                                        stack_frames=True)}
 
 
 def _jit_update(tx, params, grads):
@@ -300,9 +305,17 @@ def update_comparison(cfg: TreeConfig, iters: int,
          "params": sum(x.size for x in jax.tree.leaves(params)),
          "qk_params": sum(x.size for x in qk.values()),
          "qk_frames": sum(x.size // (cfg.d * cfg.head_dim) for x in qk.values()),
-         **_versus_adamw(t, c)}
+         **_versus_adamw(t, c),
+         "stacked_ms": 1e3 * t[STACKED],
+         "stacked_ratio": t[STACKED] / t["adamw"]}
   if profile:
     frames, d, r = w.shape
+    floor = t["adamw, other leaves"] + t[FLOOR]
+    floor_cpu = c["adamw, other leaves"] + c[FLOOR]
+    res["floor_ms"] = 1e3 * floor
+    res["floor_ratio"] = t["stiefel_attention"] / floor
+    res["floor_cpu_ratio"] = c["stiefel_attention"] / floor_cpu
+    res["stacked_floor_ratio"] = t[STACKED] / floor
     res["profile"] = {
         "frames": int(frames), "d": int(d), "r": int(r),
         "parts_ms": {k: 1e3 * v for k, v in t.items()},
@@ -390,7 +403,8 @@ def train_step_comparison(cfg: LMConfig, iters: int) -> Dict[str, Any]:
   t = median_times(fns, iters, cpu=c)
   return {"model": cfg.describe(),
           "params": sum(x.size for x in jax.tree.leaves(params)),
-          **_versus_adamw(t, c)}
+          **_versus_adamw(t, c), "stacked_ms": 1e3 * t[STACKED],
+          "stacked_ratio": t[STACKED] / t["adamw"]}
 
 
 # --------------------------------------------------------------------------
@@ -651,11 +665,15 @@ def _peer_arrays(w: PeerWorkload, seed: int = PEER_SEED):
            for g in peer_geoopt.gradients(seed, w.leaves, w.shape)])
 
 
-def our_step(lr: float = PEER_LR):
+def our_step(lr: float = PEER_LR, stacked: bool = False):
   """(tx, step): `stiefel_adam(lr)` and one jitted update plus apply,
   step(params, state, grads) -> (params, state). The leaves are stacks of
-  frames (heads, d, r), the heads a batch axis."""
+  frames (heads, d, r), the heads a batch axis; with `stacked` the leaves
+  of equal shape are updated as one batch (`frame_partition(...,
+  stack_frames=True)`)."""
   tx = so.stiefel_adam(lr)
+  if stacked:
+    tx = so.frame_partition(tx, None, so.FrameSpec(), stack_frames=True)
 
   @jax.jit
   def step(params, state, grads):
@@ -693,22 +711,25 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
   both sides' isometry errors after `iso_steps` steps from the same
   frames."""
   params, grads = _peer_arrays(w)
-  tx, step = our_step(lr)
-  state = tx.init(params)
-  for _ in range(warmup):                # compilation, then a warm step
-    params, state = jax.block_until_ready(step(params, state, grads))
+  ours = {}                              # name: [tx, step, params, state]
+  for name, stacked in (("ours", False), ("ours_stacked", True)):
+    tx, step = our_step(lr, stacked)
+    p, s = params, tx.init(params)
+    for _ in range(warmup):              # compilation, then a warm step
+      p, s = jax.block_until_ready(step(p, s, grads))
+    ours[name] = [tx, step, p, s]
   child.ask(cmd="setup", leaves=w.leaves, shape=list(w.shape), lr=lr,
             seed=PEER_SEED, warmup=warmup)
-  times = {"ours": [], "geoopt": []}
-  cpus = {"ours": [], "geoopt": []}
+  times = {"geoopt": [], **{k: [] for k in ours}}
+  cpus = {"geoopt": [], **{k: [] for k in ours}}
   for _ in range(rounds):
     peer = child.ask(cmd="time", k=w.k)
     times["geoopt"].append(peer["wall_s"])
     cpus["geoopt"].append(peer["cpu_s"])
-    (wall, cpu), params, state = time_our_steps(step, params, state, grads,
-                                                w.k)
-    times["ours"].append(wall)
-    cpus["ours"].append(cpu)
+    for name, o in ours.items():
+      (wall, cpu), o[2], o[3] = time_our_steps(o[1], o[2], o[3], grads, w.k)
+      times[name].append(wall)
+      cpus[name].append(cpu)
   t = {k: statistics.median(v) for k, v in times.items()}
   c = {k: statistics.median(v) for k, v in cpus.items()}
   start_params, _ = _peer_arrays(w)
@@ -719,9 +740,11 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
           "ratio": t["geoopt"] / t["ours"],
           "ours_cpu_ms": 1e3 * c["ours"], "geoopt_cpu_ms": 1e3 * c["geoopt"],
           "cpu_ratio": c["geoopt"] / c["ours"],
+          "ours_stacked_ms": 1e3 * t["ours_stacked"],
+          "ratio_stacked": t["geoopt"] / t["ours_stacked"],
           "iso_steps": iso_steps,
-          "ours_iso_err": our_isometry_after(step, tx, start_params, grads,
-                                             iso_steps),
+          "ours_iso_err": our_isometry_after(ours["ours"][1], ours["ours"][0],
+                                             start_params, grads, iso_steps),
           "geoopt_iso_err": peer_iso["iso_err"],
           "start_iso_err": peer_iso["start"]}
 
@@ -776,13 +799,22 @@ def _fmt_ms(x):
 def _md_update(res) -> list:
   out = ["## One optimizer update", "",
          "| tree | params | Q/K frames | adamw ms | stiefel_attention ms | ratio"
-         " | ratio of CPU time |",
-         "|---|---:|---:|---:|---:|---:|---:|"]
+         " | ratio of CPU time | stack_frames ms | ratio |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for u in res["update"]:
     out.append(f"| {u['tree']} | {u['params'] / 1e6:.2f} M | {u['qk_frames']}"
                f" | {_fmt_ms(u['adamw_ms'])} | {_fmt_ms(u['stiefel_ms'])} |"
-               f" {u['ratio']:.2f} | {u['cpu_ratio']:.2f} |")
-  prof = res["update"][0]["profile"]
+               f" {u['ratio']:.2f} | {u['cpu_ratio']:.2f} |"
+               f" {_fmt_ms(u['stacked_ms'])} | {u['stacked_ratio']:.2f} |")
+  u = res["update"][0]
+  out += ["", "`stack_frames`: `stiefel_attention(..., stack_frames=True)`,"
+          " the frames of equal shape from all leaves updated as one batch.",
+          "", f"Against the floor ({u['tree']}: AdamW on the non-Q/K leaves"
+          f" plus the five products, {_fmt_ms(u['floor_ms'])} ms):"
+          f" stiefel_attention {u['floor_ratio']:.3f}x (CPU time"
+          f" {u['floor_cpu_ratio']:.3f}x), with stack_frames"
+          f" {u['stacked_floor_ratio']:.3f}x."]
+  prof = u["profile"]
   out += ["", f"## Where the update's time goes ({res['update'][0]['tree']})", "",
           "| part | ms | CPU ms |", "|---|---:|---:|"]
   for k, v in prof["parts_ms"].items():
@@ -796,11 +828,12 @@ def _md_train_step(res) -> list:
   t = res["train_step"]
   return ["## One training step (forward, backward, update, apply)", "",
           "| model | params | adamw ms | stiefel_attention ms | ratio |"
-          " ratio of CPU time |",
-          "|---|---:|---:|---:|---:|---:|",
+          " ratio of CPU time | stack_frames ms | ratio |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|",
           f"| {t['model']} | {t['params'] / 1e6:.2f} M | {_fmt_ms(t['adamw_ms'])}"
           f" | {_fmt_ms(t['stiefel_ms'])} | {t['ratio']:.3f} |"
-          f" {t['cpu_ratio']:.3f} |"]
+          f" {t['cpu_ratio']:.3f} | {_fmt_ms(t['stacked_ms'])} |"
+          f" {t['stacked_ratio']:.3f} |"]
 
 
 def _md_state(res) -> list:
@@ -846,14 +879,15 @@ def _md_peer(res) -> list:
   if p["status"] == "skipped":
     return out + [f"Skipped: {p['message']}."]
   out += ["| workload | leaves x (heads, d, r) | stiefel_adam ms | geoopt ms"
-          " | geoopt / ours | ratio of CPU time | isometry error, ours |"
-          " isometry error, geoopt |",
-          "|---|---|---:|---:|---:|---:|---:|---:|"]
+          " | geoopt / ours | ratio of CPU time | stacked ms | geoopt /"
+          " stacked | isometry error, ours | isometry error, geoopt |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in p["rows"]:
     h, d, k = r["shape"]
     out.append(f"| {r['workload']} | {r['leaves']} x ({h}, {d}, {k}) |"
                f" {_fmt_ms(r['ours_ms'])} | {_fmt_ms(r['geoopt_ms'])} |"
                f" {r['ratio']:.2f} | {r['cpu_ratio']:.2f} |"
+               f" {_fmt_ms(r['ours_stacked_ms'])} | {r['ratio_stacked']:.2f} |"
                f" {r['ours_iso_err']:.1e} | {r['geoopt_iso_err']:.1e} |")
   if p["status"] != "ok":
     out += ["", f"Failed after {len(p['rows'])} workload(s): {p['message']}"]
@@ -861,7 +895,9 @@ def _md_peer(res) -> list:
     r = p["rows"][0]
     out += ["", f"One step each, lr {p['lr']:g}, same float32 frames and"
             " gradients (NumPy, fixed seed): ours one jitted `stiefel_adam`"
-            " update plus `optax.apply_updates`, geoopt one"
+            " update plus `optax.apply_updates` (stacked: the leaves"
+            " stacked into one batch by `frame_partition(...,"
+            " stack_frames=True)`), geoopt one"
             " `optimizer.step()` with the gradients set. Medians over"
             f" {r['rounds']} rounds, each geoopt's k steps (in the child"
             " process) then ours k (k per workload: "

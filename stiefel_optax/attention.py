@@ -35,6 +35,7 @@ def stiefel_attention(
     mu_dtype: Optional[Any] = None,
     stiefel_tx: Optional[optax.GradientTransformation] = None,
     euclidean_tx: Optional[optax.GradientTransformation] = None,
+    stack_frames: bool = False,
 ) -> optax.GradientTransformation:
   """Stiefel-Adam on the attention query/key frames, AdamW on the rest.
 
@@ -67,6 +68,12 @@ def stiefel_attention(
     mu_dtype: first-moment dtype of both groups.
     stiefel_tx, euclidean_tx: replace either group's transform, e.g.
       `stiefel_tx=stiefel_optax.riemannian_sgd(1e-2)`.
+    stack_frames: update the frames of equal shape from all leaves as one
+      batch (`frame_partition`): fewer, larger products, one kernel launch
+      per stack on an accelerator. The optimizer state then holds one
+      stack per shape instead of one moment per leaf, so a checkpoint
+      restores only into an optimizer with the same setting. Stack only
+      kernels that are sharded alike.
 
   Non-finite gradients: the library skips the frame (a Stiefel frame whose
   gradient holds a NaN or Inf gets a zero step and keeps its moments; see
@@ -100,4 +107,5 @@ def stiefel_attention(
                                      weight_decay=weight_decay,
                                      mu_dtype=mu_dtype)
   return partition.frame_partition(inner, rest, frames,
-                                   orthonormal_start=orthonormal_start)
+                                   orthonormal_start=orthonormal_start,
+                                   stack_frames=stack_frames)

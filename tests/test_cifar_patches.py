@@ -320,6 +320,17 @@ def test_seeds_identity_and_run_store(tmp_path):
   assert store.load("r", rec["identity"]) == rec and store.load("r", "no") is None
   assert store.load_matching("r", cfg, "d") == rec       # any version
   assert store.load_matching("r", {"a": 2}, "d") is None
+  # The numerics version, not the release, is the identity's: a run of a
+  # release with the same numerics (0.4.0 over 0.3.0) keeps matching, and a
+  # record older than 0.4.0 (its release only) matches under that release.
+  assert harness.identity(cfg, "d") == harness.identity(
+      cfg, "d", so.NUMERICS_VERSION)
+  new = {"identity": harness.identity(cfg, "d"), "config": cfg, "data": "d",
+         **harness.versions()}
+  assert new["numerics_version"] == so.NUMERICS_VERSION
+  assert new["library_version"] == so.__version__
+  assert harness.matches(new) and harness.matches(rec)
+  assert not harness.matches({**new, "numerics_version": "9"})
   assert harness.portable(harness.REPO / "benchmarks" / "x") == "benchmarks/x"
   assert harness.portable(tmp_path / "y") == "y"
   assert harness.command_line("benchmarks.x", [

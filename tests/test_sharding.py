@@ -131,11 +131,11 @@ def collectives(text):
   return out
 
 
-def run_case(params, frames_sel, shard, steps=3):
+def run_case(params, frames_sel, shard, steps=3, stack=False):
   """`steps` of stiefel_attention, unsharded (one device) and sharded by
   `shard` (inputs, outputs and state); the sharded program's compiled HLO is
   that of the executable that ran."""
-  tx = so.stiefel_attention(1e-2, frames=frames_sel)
+  tx = so.stiefel_attention(1e-2, frames=frames_sel, stack_frames=stack)
   grads = [jax.tree.map(lambda x: normal(*x.shape), params)
            for _ in range(steps)]
 
@@ -186,6 +186,14 @@ result["heads"] = run_case(mha_params(D, H, HD), "flax", sharder([
     (lambda p, s: s == (D, H, HD) and is_qk(p, s), P(None, "x", None)),
     (lambda p, s: s == (H, D, HD), P("x", None, None)),
     (lambda p, s: s == (H,), P("x"))]))
+
+# The same, the four kernels' frames stacked (stack_frames=True): the
+# stack (4, 8, 32, 4) and its first moment over axis 1 (the heads), nu
+# (4, 8) too.
+result["heads_stacked"] = run_case(mha_params(D, H, HD), "flax", sharder([
+    (lambda p, s: s == (D, H, HD) and is_qk(p, s), P(None, "x", None)),
+    (lambda p, s: s == (4, H, D, HD), P(None, "x", None, None)),
+    (lambda p, s: s == (4, H), P(None, "x"))]), stack=True)
 
 # FSDP: every leaf with d rows, the (64, 4, 32) Q/K kernels among them,
 # over d (axis 0), and their AdamW moments alike; the frame views
@@ -264,6 +272,19 @@ def test_heads_sharded_moves_no_frame_between_devices(sharded):
   # still active" (inside the cond's fallback branch) and one for "some
   # frame's ||G||^2 - ||sym(W^T G)||^2 cancels" (transforms.tangent_sq_norm).
   assert operands(heads["collectives"]["all-reduce"]) == {"pred[]": 12}
+
+
+def test_stacked_heads_sharded_moves_nothing_and_decides_once(sharded):
+  """stack_frames=True on the heads-sharded kernels: the four kernels'
+  frames stacked on a new axis keep their heads sharding, so still nothing
+  moves between devices, and the three whole-batch decisions are taken once
+  for the stack instead of once per kernel."""
+  st = sharded["heads_stacked"]
+  assert st["max_abs_diff"] <= 1e-6 and st["max_isometry_error"] <= 1e-5
+  assert st["frame_shard_shapes"] == ["(32, 1, 4)"]
+  for op in NO_MOVES:
+    assert st["collectives"][op] == [], op
+  assert operands(st["collectives"]["all-reduce"]) == {"pred[]": 3}
 
 
 def test_fsdp_sharded_update_equals_unsharded(sharded):

@@ -50,8 +50,20 @@ def test_times_and_ratios_are_positive(quick):
     assert row["adamw_ms"] > 0 and row["stiefel_ms"] > 0
     assert row["ratio"] == pytest.approx(row["stiefel_ms"] / row["adamw_ms"])
     assert row["cpu_ratio"] > 0
-  parts = res["update"][0]["profile"]["parts_ms"]
-  assert len(parts) == 6 and all(v > 0 for v in parts.values())
+  for u in res["update"]:
+    assert u["stacked_ms"] > 0
+    assert u["stacked_ratio"] == pytest.approx(u["stacked_ms"] / u["adamw_ms"])
+  u = res["update"][0]
+  parts = u["profile"]["parts_ms"]
+  assert len(parts) == 7 and all(v > 0 for v in parts.values())
+  floor = parts["adamw, other leaves"] + parts[speed_module().FLOOR]
+  assert u["floor_ms"] == pytest.approx(floor)
+  assert u["floor_ratio"] == pytest.approx(u["stiefel_ms"] / floor)
+
+
+def speed_module():
+  from benchmarks import speed  # pylint: disable=g-import-not-at-top
+  return speed
 
 
 def test_qk_state_is_half_of_adamw(quick):
