@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU-scale checks in one script, within 8 minutes on one GPU:
-#   (a) the update and training-step speed of stiefel_attention against
-#       optax.adamw on GPT-2-small shapes (benchmarks/speed.py's update and
-#       train_step comparisons; its CPU-only retraction table is left out);
+#   (a) the update and training-step speed of stiefel_attention (per leaf
+#       and with stack_frames=True) against optax.adamw on GPT-2-small
+#       shapes (benchmarks/speed.py's update and train_step comparisons; its
+#       CPU-only retraction table is left out);
 #   (b) the language model at nanoGPT's shakespeare_char (GPU) config:
 #       6 layers, 6 heads, 384 wide, context 256, batch 64, 5,000 iters,
 #       lr 1e-3 -> 1e-4, dropout 0.2 (published AdamW val loss 1.4697),
@@ -59,11 +60,14 @@ res = dict(machine=harness.machine(),
            train_step=speed.train_step_comparison(lm, iters))
 out = pathlib.Path(os.environ["OUT"]) / "speed"
 harness.write_json(out / "speed.json", res, indent=1)
-rows = ["| what | adamw ms | stiefel_attention ms | ratio |", "|---|---:|---:|---:|"]
+rows = ["| what | adamw ms | stiefel_attention ms | ratio | stacked ms"
+        " | ratio | auto ms | ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
 for name, r in (("update: " + res["update"]["tree"], res["update"]),
                 ("train step: " + res["train_step"]["model"], res["train_step"])):
   rows.append(f"| {name} | {r['adamw_ms']:.3f} | {r['stiefel_ms']:.3f}"
-              f" | {r['ratio']:.3f} |")
+              f" | {r['ratio']:.3f} | {r['stacked_ms']:.3f}"
+              f" | {r['stacked_ratio']:.3f} | {r['auto_ms']:.3f}"
+              f" | {r['auto_ratio']:.3f} |")
 md = (f"Machine: {harness.machine_line(res['machine'])}\n\n" + "\n".join(rows)
       + "\n")
 harness.write_text(out / "speed.md", md)

@@ -54,13 +54,12 @@ Tables:
    (`os.sched_getaffinity`). Where no peer Python is found, or it cannot
    import torch and geoopt, the table says "skipped" and why, and the rest
    of the run is unaffected. Set up the peer environment once (runs/ is
-   git-ignored; the torch wheel is PyTorch's CPU build, here a local file,
-   elsewhere `pip install torch --index-url
-   https://download.pytorch.org/whl/cpu`):
+   git-ignored; torch is PyTorch's CPU build, from its index or from a
+   wheel file of that build where there is no internet):
 
        python3 -m venv runs/peer-venv
-       runs/peer-venv/bin/pip install \\
-           /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+       runs/peer-venv/bin/pip install torch \\
+           --index-url https://download.pytorch.org/whl/cpu
        runs/peer-venv/bin/pip install geoopt numpy
 
    runs/peer-venv/bin/python is the default `--peer-python`; `--quick` runs
@@ -123,6 +122,13 @@ def _versus_adamw(wall: dict, cpu: dict) -> dict:
           "adamw_cpu_ms": 1e3 * cpu["adamw"],
           "stiefel_cpu_ms": 1e3 * cpu["stiefel_attention"],
           "cpu_ratio": cpu["stiefel_attention"] / cpu["adamw"]}
+
+
+def _stacked(wall: dict) -> dict:
+  """The stack_frames settings' medians (ms) and ratios to adamw."""
+  return {"stacked_ms": 1e3 * wall[STACKED],
+          "stacked_ratio": wall[STACKED] / wall["adamw"],
+          "auto_ms": 1e3 * wall[AUTO], "auto_ratio": wall[AUTO] / wall["adamw"]}
 
 
 def median_times(fns: Dict[str, Callable[[], Any]], iters: int,
@@ -251,13 +257,16 @@ def _split_qk(tree):
 
 
 STACKED = "stiefel_attention, stack_frames"
+AUTO = "stiefel_attention, stack_frames auto"
 
 
 def optimizers(lr: float = 1e-3):
   return {"adamw": optax.adamw(lr, weight_decay=1e-4),
           "stiefel_attention": so.stiefel_attention(lr, weight_decay=1e-4),
           STACKED: so.stiefel_attention(lr, weight_decay=1e-4,
-                                        stack_frames=True)}
+                                        stack_frames=True),
+          AUTO: so.stiefel_attention(lr, weight_decay=1e-4,
+                                     stack_frames="auto")}
 
 
 def _jit_update(tx, params, grads):
@@ -306,8 +315,7 @@ def update_comparison(cfg: TreeConfig, iters: int,
          "qk_params": sum(x.size for x in qk.values()),
          "qk_frames": sum(x.size // (cfg.d * cfg.head_dim) for x in qk.values()),
          **_versus_adamw(t, c),
-         "stacked_ms": 1e3 * t[STACKED],
-         "stacked_ratio": t[STACKED] / t["adamw"]}
+         **_stacked(t)}
   if profile:
     frames, d, r = w.shape
     floor = t["adamw, other leaves"] + t[FLOOR]
@@ -316,6 +324,7 @@ def update_comparison(cfg: TreeConfig, iters: int,
     res["floor_ratio"] = t["stiefel_attention"] / floor
     res["floor_cpu_ratio"] = c["stiefel_attention"] / floor_cpu
     res["stacked_floor_ratio"] = t[STACKED] / floor
+    res["auto_floor_ratio"] = t[AUTO] / floor
     res["profile"] = {
         "frames": int(frames), "d": int(d), "r": int(r),
         "parts_ms": {k: 1e3 * v for k, v in t.items()},
@@ -403,8 +412,7 @@ def train_step_comparison(cfg: LMConfig, iters: int) -> Dict[str, Any]:
   t = median_times(fns, iters, cpu=c)
   return {"model": cfg.describe(),
           "params": sum(x.size for x in jax.tree.leaves(params)),
-          **_versus_adamw(t, c), "stacked_ms": 1e3 * t[STACKED],
-          "stacked_ratio": t[STACKED] / t["adamw"]}
+          **_versus_adamw(t, c), **_stacked(t)}
 
 
 # --------------------------------------------------------------------------
@@ -665,15 +673,15 @@ def _peer_arrays(w: PeerWorkload, seed: int = PEER_SEED):
            for g in peer_geoopt.gradients(seed, w.leaves, w.shape)])
 
 
-def our_step(lr: float = PEER_LR, stacked: bool = False):
+def our_step(lr: float = PEER_LR, stacked=False):
   """(tx, step): `stiefel_adam(lr)` and one jitted update plus apply,
   step(params, state, grads) -> (params, state). The leaves are stacks of
-  frames (heads, d, r), the heads a batch axis; with `stacked` the leaves
-  of equal shape are updated as one batch (`frame_partition(...,
-  stack_frames=True)`)."""
+  frames (heads, d, r), the heads a batch axis; `stacked` (True or
+  "auto") stacks the leaves of equal shape (`frame_partition(...,
+  stack_frames=stacked)`)."""
   tx = so.stiefel_adam(lr)
   if stacked:
-    tx = so.frame_partition(tx, None, so.FrameSpec(), stack_frames=True)
+    tx = so.frame_partition(tx, None, so.FrameSpec(), stack_frames=stacked)
 
   @jax.jit
   def step(params, state, grads):
@@ -712,7 +720,8 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
   frames."""
   params, grads = _peer_arrays(w)
   ours = {}                              # name: [tx, step, params, state]
-  for name, stacked in (("ours", False), ("ours_stacked", True)):
+  for name, stacked in (("ours", False), ("ours_stacked", True),
+                        ("ours_auto", "auto")):
     tx, step = our_step(lr, stacked)
     p, s = params, tx.init(params)
     for _ in range(warmup):              # compilation, then a warm step
@@ -742,6 +751,8 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
           "cpu_ratio": c["geoopt"] / c["ours"],
           "ours_stacked_ms": 1e3 * t["ours_stacked"],
           "ratio_stacked": t["geoopt"] / t["ours_stacked"],
+          "ours_auto_ms": 1e3 * t["ours_auto"],
+          "ratio_auto": t["geoopt"] / t["ours_auto"],
           "iso_steps": iso_steps,
           "ours_iso_err": our_isometry_after(ours["ours"][1], ours["ours"][0],
                                              start_params, grads, iso_steps),
@@ -796,24 +807,32 @@ def _fmt_ms(x):
   return f"{x:.2f}" if x < 10 else f"{x:.1f}"
 
 
+STACK_NOTE = ("stacked: `stiefel_attention(..., stack_frames=True)`, the"
+              " frames of equal shape from all leaves updated as one batch;"
+              " auto: `stack_frames=\"auto\"`, stacks of at most"
+              f" {so.partition.AUTO_STACK_BYTES // 2**20} MiB (larger"
+              " frames per leaf).")
+
+
 def _md_update(res) -> list:
   out = ["## One optimizer update", "",
          "| tree | params | Q/K frames | adamw ms | stiefel_attention ms | ratio"
-         " | ratio of CPU time | stack_frames ms | ratio |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+         " | ratio of CPU time | stacked ms | ratio | auto ms | ratio |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for u in res["update"]:
     out.append(f"| {u['tree']} | {u['params'] / 1e6:.2f} M | {u['qk_frames']}"
                f" | {_fmt_ms(u['adamw_ms'])} | {_fmt_ms(u['stiefel_ms'])} |"
                f" {u['ratio']:.2f} | {u['cpu_ratio']:.2f} |"
-               f" {_fmt_ms(u['stacked_ms'])} | {u['stacked_ratio']:.2f} |")
+               f" {_fmt_ms(u['stacked_ms'])} | {u['stacked_ratio']:.2f} |"
+               f" {_fmt_ms(u['auto_ms'])} | {u['auto_ratio']:.2f} |")
   u = res["update"][0]
-  out += ["", "`stack_frames`: `stiefel_attention(..., stack_frames=True)`,"
-          " the frames of equal shape from all leaves updated as one batch.",
+  out += ["", STACK_NOTE,
           "", f"Against the floor ({u['tree']}: AdamW on the non-Q/K leaves"
           f" plus the five products, {_fmt_ms(u['floor_ms'])} ms):"
           f" stiefel_attention {u['floor_ratio']:.3f}x (CPU time"
-          f" {u['floor_cpu_ratio']:.3f}x), with stack_frames"
-          f" {u['stacked_floor_ratio']:.3f}x."]
+          f" {u['floor_cpu_ratio']:.3f}x); stacked"
+          f" {u['stacked_floor_ratio']:.3f}x, auto"
+          f" {u['auto_floor_ratio']:.3f}x."]
   prof = u["profile"]
   out += ["", f"## Where the update's time goes ({res['update'][0]['tree']})", "",
           "| part | ms | CPU ms |", "|---|---:|---:|"]
@@ -828,12 +847,13 @@ def _md_train_step(res) -> list:
   t = res["train_step"]
   return ["## One training step (forward, backward, update, apply)", "",
           "| model | params | adamw ms | stiefel_attention ms | ratio |"
-          " ratio of CPU time | stack_frames ms | ratio |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|",
+          " ratio of CPU time | stacked ms | ratio | auto ms | ratio |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
           f"| {t['model']} | {t['params'] / 1e6:.2f} M | {_fmt_ms(t['adamw_ms'])}"
           f" | {_fmt_ms(t['stiefel_ms'])} | {t['ratio']:.3f} |"
           f" {t['cpu_ratio']:.3f} | {_fmt_ms(t['stacked_ms'])} |"
-          f" {t['stacked_ratio']:.3f} |"]
+          f" {t['stacked_ratio']:.3f} | {_fmt_ms(t['auto_ms'])} |"
+          f" {t['auto_ratio']:.3f} |"]
 
 
 def _md_state(res) -> list:
@@ -880,14 +900,16 @@ def _md_peer(res) -> list:
     return out + [f"Skipped: {p['message']}."]
   out += ["| workload | leaves x (heads, d, r) | stiefel_adam ms | geoopt ms"
           " | geoopt / ours | ratio of CPU time | stacked ms | geoopt /"
-          " stacked | isometry error, ours | isometry error, geoopt |",
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          " stacked | auto ms | geoopt / auto | isometry error, ours |"
+          " isometry error, geoopt |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in p["rows"]:
     h, d, k = r["shape"]
     out.append(f"| {r['workload']} | {r['leaves']} x ({h}, {d}, {k}) |"
                f" {_fmt_ms(r['ours_ms'])} | {_fmt_ms(r['geoopt_ms'])} |"
                f" {r['ratio']:.2f} | {r['cpu_ratio']:.2f} |"
                f" {_fmt_ms(r['ours_stacked_ms'])} | {r['ratio_stacked']:.2f} |"
+               f" {_fmt_ms(r['ours_auto_ms'])} | {r['ratio_auto']:.2f} |"
                f" {r['ours_iso_err']:.1e} | {r['geoopt_iso_err']:.1e} |")
   if p["status"] != "ok":
     out += ["", f"Failed after {len(p['rows'])} workload(s): {p['message']}"]
@@ -895,9 +917,9 @@ def _md_peer(res) -> list:
     r = p["rows"][0]
     out += ["", f"One step each, lr {p['lr']:g}, same float32 frames and"
             " gradients (NumPy, fixed seed): ours one jitted `stiefel_adam`"
-            " update plus `optax.apply_updates` (stacked: the leaves"
-            " stacked into one batch by `frame_partition(...,"
-            " stack_frames=True)`), geoopt one"
+            " update plus `optax.apply_updates` (stacked, auto: the"
+            " leaves stacked by `frame_partition(..., stack_frames=True"
+            " / \"auto\")`), geoopt one"
             " `optimizer.step()` with the gradients set. Medians over"
             f" {r['rounds']} rounds, each geoopt's k steps (in the child"
             " process) then ours k (k per workload: "

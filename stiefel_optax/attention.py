@@ -68,12 +68,14 @@ def stiefel_attention(
     mu_dtype: first-moment dtype of both groups.
     stiefel_tx, euclidean_tx: replace either group's transform, e.g.
       `stiefel_tx=stiefel_optax.riemannian_sgd(1e-2)`.
-    stack_frames: update the frames of equal shape from all leaves as one
-      batch (`frame_partition`): fewer, larger products, one kernel launch
-      per stack on an accelerator. The optimizer state then holds one
-      stack per shape instead of one moment per leaf, so a checkpoint
-      restores only into an optimizer with the same setting. Stack only
-      kernels that are sharded alike.
+    stack_frames: True: update the frames of equal shape from all leaves
+      as one batch (`frame_partition`): fewer, larger products, one kernel
+      launch per product on an accelerator; "auto": only up to
+      `partition.AUTO_STACK_BYTES` per stack (on a CPU large stacks outgrow
+      the caches and run slower); False (default): per leaf. Stacked, the
+      optimizer state holds one stack per shape instead of one moment per
+      leaf, so a checkpoint restores only into an optimizer with the same
+      setting. Stack only kernels that are sharded alike.
 
   Non-finite gradients: the library skips the frame (a Stiefel frame whose
   gradient holds a NaN or Inf gets a zero step and keeps its moments; see

@@ -15,10 +15,17 @@ and `stiefel_tx` sees a tuple of those stacks instead of the tree: every
 product of the step is then one batched GEMM per stack, not one per leaf
 (24 leaves of GPT-2 small's Q/K kernels make one (24, 12, 768, 64) stack),
 and every whole-batch decision (the retraction's certificate, the
-cancellation guard) is taken once per stack. Stacking along a new axis keeps
-each leaf's sharding of its own axes, so leaves sharded alike stack without
-moving data; stack only leaves that are sharded alike (a stack of leaves
-sharded differently makes XLA reshard one of them).
+cancellation guard) is taken once per stack. That saves per-operation
+overhead (kernel launches on an accelerator) but costs a copy of W and G
+into the stack and of the update out of it, and on a CPU a stack larger
+than its caches makes every pass of the step go to memory (GPT-2 small's
+update: 1.7x slower stacked; 8 patch-ViT kernels (4, 64, 16): 1.6x faster;
+`benchmarks/results/speed.md`). `stack_frames="auto"` therefore stacks only
+up to AUTO_STACK_BYTES per stack and leaves larger frames per leaf.
+Stacking along a new axis keeps each leaf's sharding of its own axes, so
+leaves sharded alike stack without moving data; stack only leaves that are
+sharded alike (a stack of leaves sharded differently makes XLA reshard one
+of them).
 """
 
 from __future__ import annotations
@@ -59,21 +66,49 @@ def _masked(x) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
-def stack_plan(frame_tree) -> tuple:
+# "auto" stacks frames of one shape up to this many bytes per stack: small
+# frames, whose step is per-operation overhead, stack; frames whose stack
+# would outgrow a CPU's caches stay per leaf.
+AUTO_STACK_BYTES = 1 << 20
+
+STACK_FRAMES = (False, True, "auto")
+
+
+def stack_limit(stack_frames) -> Optional[float]:
+  """Bytes per stack for a `stack_frames` setting (None: no stacking)."""
+  if stack_frames is True:
+    return float("inf")
+  if stack_frames is False:
+    return None
+  if stack_frames == "auto":
+    return float(AUTO_STACK_BYTES)
+  raise ValueError(f"stack_frames must be one of {STACK_FRAMES}; got"
+                   f" {stack_frames!r}.")
+
+
+def stack_plan(frame_tree, max_bytes: float = float("inf")) -> tuple:
   """The stacks of `stack_frames`: leaf indices (in `jax.tree.leaves` order,
   MaskedNode included) of the frame views, grouped by (shape, dtype) in
-  order of first appearance."""
+  order of first appearance, each group cut into stacks of at most
+  `max_bytes` (a larger leaf stands alone)."""
   groups = {}
   for i, x in enumerate(jax.tree.leaves(frame_tree, is_leaf=_masked)):
-    if not _masked(x):
-      groups.setdefault((tuple(x.shape), jnp.dtype(x.dtype)), []).append(i)
-  return tuple(tuple(g) for g in groups.values())
+    if _masked(x):
+      continue
+    stacks = groups.setdefault((tuple(x.shape), jnp.dtype(x.dtype)), [[]])
+    size = x.size * jnp.dtype(x.dtype).itemsize
+    if stacks[-1] and (len(stacks[-1]) + 1) * size > max_bytes:
+      stacks.append([])
+    stacks[-1].append(i)
+  return tuple(tuple(st) for g in groups.values() for st in g)
 
 
 def stack(frame_tree, plan) -> tuple:
-  """One array (k, *view shape) per group of `plan`."""
+  """One array (k, *view shape) per group of `plan`; a group of one is the
+  leaf's view itself (no copy, no new axis)."""
   leaves = jax.tree.leaves(frame_tree, is_leaf=_masked)
-  return tuple(jnp.stack([leaves[i] for i in group]) for group in plan)
+  return tuple(leaves[g[0]] if len(g) == 1 else
+               jnp.stack([leaves[i] for i in g]) for g in plan)
 
 
 def unstack(stacks, plan, like):
@@ -81,6 +116,9 @@ def unstack(stacks, plan, like):
   frame view taken from its stack."""
   leaves = list(jax.tree.leaves(like, is_leaf=_masked))
   for group, st in zip(plan, stacks):
+    if len(group) == 1:
+      leaves[group[0]] = st
+      continue
     for j, i in enumerate(group):
       leaves[i] = st[j]
   return jax.tree.structure(like, is_leaf=_masked).unflatten(leaves)
@@ -103,7 +141,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
                     euclidean_tx: Optional[optax.GradientTransformation],
                     frames: specs_lib.Selector = None, *,
                     orthonormal_start: str = "check",
-                    stack_frames: bool = False
+                    stack_frames=False
                     ) -> optax.GradientTransformation:
   """`stiefel_tx` on the frames that `frames` selects, `euclidean_tx` on the
   rest.
@@ -121,10 +159,12 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
       orthonormal; "project": accepted, and the first step's polar
       retraction lands them on the manifold (the model's function changes
       at that step). Rank-deficient frames are an error either way.
-    stack_frames: if True, `stiefel_tx` sees a tuple of stacks (k, *view)
-      of the frame views of equal shape and dtype (see the module
-      docstring) instead of the tree, and its state is over those stacks.
-      Default False: one frame view per leaf, in the tree's structure.
+    stack_frames: True: `stiefel_tx` sees a tuple of stacks (k, *view) of
+      the frame views of equal shape and dtype (see the module docstring)
+      instead of the tree, and its state is over those stacks; "auto": the
+      same, stacks of at most AUTO_STACK_BYTES (larger frames are stacks
+      of one); False (default): one frame view per leaf, in the tree's
+      structure.
 
   Example (a raw frame tree, all leaves frames):
 
@@ -140,6 +180,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
   True
   """
   transforms.check_orthonormal_start_arg(orthonormal_start)
+  limit = stack_limit(stack_frames)
   rest_tx = euclidean_tx if euclidean_tx is not None else optax.set_to_zero()
 
   def init_fn(params):
@@ -152,8 +193,8 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
       f_params = jax.tree.map(
           lambda w: geometry.polar(w, "newton_schulz") if
           transforms.is_concrete(w) else w, f_params)
-    if stack_frames:
-      f_params = stack(f_params, stack_plan(f_params))
+    if limit is not None:
+      f_params = stack(f_params, stack_plan(f_params, limit))
     return FramePartitionState(stiefel_tx.init(f_params),
                                rest_tx.init(r_params))
 
@@ -169,8 +210,8 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
           f" {jax.tree.structure(updates)} vs {jax.tree.structure(params)}.")
     f_updates, r_updates = _groups(updates, items)
     f_params, r_params = _groups(params, items)
-    if stack_frames:
-      plan = stack_plan(f_params)
+    if limit is not None:
+      plan = stack_plan(f_params, limit)
       f_new, s_state = stiefel_tx.update(stack(f_updates, plan),
                                          state.stiefel, stack(f_params, plan))
       f_new = unstack(f_new, plan, f_updates)

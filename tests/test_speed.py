@@ -53,9 +53,10 @@ def test_times_and_ratios_are_positive(quick):
   for u in res["update"]:
     assert u["stacked_ms"] > 0
     assert u["stacked_ratio"] == pytest.approx(u["stacked_ms"] / u["adamw_ms"])
+    assert u["auto_ratio"] == pytest.approx(u["auto_ms"] / u["adamw_ms"])
   u = res["update"][0]
   parts = u["profile"]["parts_ms"]
-  assert len(parts) == 7 and all(v > 0 for v in parts.values())
+  assert len(parts) == 8 and all(v > 0 for v in parts.values())
   floor = parts["adamw, other leaves"] + parts[speed_module().FLOOR]
   assert u["floor_ms"] == pytest.approx(floor)
   assert u["floor_ratio"] == pytest.approx(u["stiefel_ms"] / floor)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import stiefel_optax as so
 from stiefel_optax import partition
@@ -82,19 +83,18 @@ def test_stacked_equals_per_leaf():
 
 def test_state_holds_one_stack_per_shape_with_the_per_leaf_moments():
   per_leaf, stacked = _adam(_run(False)[1]), _adam(_run(True)[1])
-  # 6 leaves of (2, 16, 8), 2 of (4, 16, 4), the fused one (2, 2, 16, 8),
+  # 6 leaves of (2, 16, 8), 2 of (4, 16, 4), the fused one (2, 2, 16, 8)
   # in the order of their first leaf (gpt, layer_0, ..., odd).
-  assert [m.shape for m in stacked.mu] == [(1, 2, 2, 16, 8), (6, 2, 16, 8),
+  # A stack of one is the leaf's own view.
+  assert [m.shape for m in stacked.mu] == [(2, 2, 16, 8), (6, 2, 16, 8),
                                            (2, 4, 16, 4)]
-  assert [v.shape for v in stacked.nu] == [(1, 2, 2), (6, 2), (2, 4)]
-  masked = lambda x: isinstance(x, optax.MaskedNode)
+  assert [v.shape for v in stacked.nu] == [(2, 2), (6, 2), (2, 4)]
   plan = partition.stack_plan(per_leaf.mu)
   for moments, stacks in ((per_leaf.mu, stacked.mu),
                           (per_leaf.nu, stacked.nu)):
-    leaves = jax.tree.leaves(moments, is_leaf=masked)
-    for group, st in zip(plan, stacks):
-      for j, i in enumerate(group):
-        np.testing.assert_allclose(leaves[i], st[j], rtol=1e-5, atol=1e-7)
+    back = partition.unstack(stacks, plan, moments)
+    for x, y in zip(jax.tree.leaves(moments), jax.tree.leaves(back)):
+      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
   # The frame that saw a NaN kept finite moments, as per leaf.
   assert all(bool(jnp.all(jnp.isfinite(v))) for v in stacked.nu)
 
@@ -106,13 +106,31 @@ def test_plan_groups_by_shape_and_dtype_in_order():
   plan = partition.stack_plan(tree)
   assert plan == ((0, 3), (2,), (4,))
   stacks = partition.stack(tree, plan)
-  assert [s.shape for s in stacks] == [(2, 2, 8, 4), (1, 2, 8, 4),
-                                       (1, 3, 8, 4)]
+  assert [s.shape for s in stacks] == [(2, 2, 8, 4), (2, 8, 4), (3, 8, 4)]
+  assert stacks[1] is tree["c"]                      # no copy for one leaf
   back = partition.unstack(stacks, plan, tree)
   assert jax.tree.structure(back, is_leaf=lambda x: isinstance(
       x, optax.MaskedNode)) == jax.tree.structure(
           tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
   assert back["c"].dtype == jnp.bfloat16 and back["e"].shape == (3, 8, 4)
+  # A byte limit cuts a group into stacks; a leaf over it stands alone.
+  leaf = 2 * 8 * 4 * 4                               # bytes of one f32 view
+  more = dict(tree, f=jnp.zeros((2, 8, 4)), g=jnp.zeros((2, 8, 4)))
+  assert partition.stack_plan(more, 2 * leaf) == ((0, 3), (5, 6), (2,), (4,))
+  assert partition.stack_plan(more, leaf / 2) == ((0,), (3,), (5,), (6,),
+                                                  (2,), (4,))
+
+
+def test_auto_stacks_small_frames_and_refuses_unknown_settings():
+  assert partition.stack_limit("auto") == partition.AUTO_STACK_BYTES
+  assert partition.stack_limit(False) is None
+  with pytest.raises(ValueError, match="stack_frames must be one of"):
+    so.stiefel_attention(1e-3, stack_frames="yes")
+  params = so.orthonormalize(_tree(jax.random.key(0)), frames=SELECTOR)
+  shapes = lambda setting: [m.shape for m in jax.tree.leaves(_adam(
+      so.stiefel_attention(1e-3, frames=SELECTOR, stack_frames=setting
+                           ).init(params)).mu)]
+  assert shapes("auto") == shapes(True)     # 6 KB of frames: one stack each
 
 
 def test_project_start_stacked_equals_per_leaf():
