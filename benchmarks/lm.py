@@ -126,7 +126,6 @@ import sys
 import time
 from typing import Mapping, NamedTuple, Optional, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,6 +133,7 @@ import optax
 
 import stiefel_optax as so
 from benchmarks import harness, stats, training
+from benchmarks.models import GPT
 
 SECTION = "## Language model"
 REFERENCE_DIR = harness.REFERENCE_ROOT / "lm"
@@ -266,88 +266,6 @@ def get_batch(data: jax.Array, key: jax.Array, batch_size: int,
   window = lambda i: jax.lax.dynamic_slice(data, (i,), (block_size + 1,))
   w = jax.vmap(window)(ix)
   return w[:, :-1], w[:, 1:]
-
-
-# --------------------------------------------------------------------------
-# Model.
-
-
-class CausalSelfAttention(nn.Module):
-  n_head: int
-  n_layer: int
-  dropout: float = 0.0
-  qk_norm: bool = False
-
-  @nn.compact
-  def __call__(self, x, deterministic: bool = True):
-    b, t, c = x.shape
-    hd = c // self.n_head
-    qkv = nn.Dense(3 * c, use_bias=False, name="c_attn",
-                   kernel_init=nn.initializers.normal(0.02))(x)
-    q, k, v = (a.reshape(b, t, self.n_head, hd)
-               for a in jnp.split(qkv, 3, axis=-1))
-    if self.qk_norm:
-      q = nn.RMSNorm(epsilon=1e-6, name="q_norm")(q)
-      k = nn.RMSNorm(epsilon=1e-6, name="k_norm")(k)
-    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    att = jnp.where(causal, att, jnp.finfo(att.dtype).min)
-    att = nn.Dropout(self.dropout)(jax.nn.softmax(att, axis=-1),
-                                   deterministic=deterministic)
-    y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, c)
-    y = nn.Dense(c, use_bias=False, name="c_proj", kernel_init=(
-        nn.initializers.normal(0.02 / math.sqrt(2 * self.n_layer))))(y)
-    return nn.Dropout(self.dropout)(y, deterministic=deterministic)
-
-
-class Block(nn.Module):
-  n_head: int
-  n_layer: int
-  dropout: float = 0.0
-  qk_norm: bool = False
-
-  @nn.compact
-  def __call__(self, x, deterministic: bool = True):
-    c = x.shape[-1]
-    ln = lambda name: nn.LayerNorm(epsilon=1e-5, use_bias=False, name=name)
-    x = x + CausalSelfAttention(self.n_head, self.n_layer, self.dropout,
-                                self.qk_norm, name="attn")(
-                                    ln("ln_1")(x), deterministic)
-    h = nn.Dense(4 * c, use_bias=False, name="c_fc",
-                 kernel_init=nn.initializers.normal(0.02))(ln("ln_2")(x))
-    h = nn.Dense(c, use_bias=False, name="c_proj", kernel_init=(
-        nn.initializers.normal(0.02 / math.sqrt(2 * self.n_layer))))(
-            nn.gelu(h, approximate=False))
-    return x + nn.Dropout(self.dropout)(h, deterministic=deterministic)
-
-
-class GPT(nn.Module):
-  """nanoGPT's GPT: logits (batch, time, vocab), head tied to `wte`."""
-  vocab_size: int
-  block_size: int
-  n_layer: int
-  n_head: int
-  n_embd: int
-  dropout: float = 0.0
-  qk_norm: bool = False
-
-  @nn.compact
-  def __call__(self, idx, deterministic: bool = True):
-    t = idx.shape[-1]
-    if t > self.block_size:
-      raise ValueError(f"sequence of {t} > block_size {self.block_size}")
-    init = nn.initializers.normal(0.02)
-    wte = nn.Embed(self.vocab_size, self.n_embd, embedding_init=init,
-                   name="wte")
-    wpe = nn.Embed(self.block_size, self.n_embd, embedding_init=init,
-                   name="wpe")
-    x = wte(idx) + wpe(jnp.arange(t))
-    x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-    for i in range(self.n_layer):
-      x = Block(self.n_head, self.n_layer, self.dropout, self.qk_norm,
-                name=f"h_{i}")(x, deterministic)
-    x = nn.LayerNorm(epsilon=1e-5, use_bias=False, name="ln_f")(x)
-    return wte.attend(x)
 
 
 def make_model(cfg: Config, vocab_size: int) -> GPT:

@@ -14,6 +14,13 @@ default ("flax").
 
 Users: grokking (`benchmarks.grokking.make_model`), CIFAR (`PatchViTConfig`
 below), the speed benchmark's causal LM (`benchmarks.speed.LMConfig`).
+
+`GPT` (end of the file) is nanoGPT's model for the language-model benchmark
+(`benchmarks.lm`), kept as nanoGPT writes it so that its published losses
+are the reference: a fused c_attn (d, 3d) projection, whose q and k thirds
+`stiefel_optax.fused_qkv(n_head)` selects, no biases, a head tied to the
+token embedding, dropout, optional RMSNorm on the per-head queries and keys
+(the qk_norm arm).
 `tests/test_models.py` pins the parameters and outputs these benchmarks'
 recorded runs were made with.
 """
@@ -21,6 +28,7 @@ recorded runs were made with.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import flax.linen as nn
@@ -181,3 +189,87 @@ class PatchViTConfig:
     """The model; qk_norm (an arm's architecture change, not a field: the
     fields are the runs' identity) adds flax's per-head query/key norm."""
     return Transformer(dataclasses.replace(self.config(), qk_norm=qk_norm))
+
+
+# --------------------------------------------------------------------------
+# nanoGPT's GPT (the language-model benchmark).
+
+
+class GPTAttention(nn.Module):
+  """nanoGPT's CausalSelfAttention: one fused c_attn (d, 3d) Dense."""
+  n_head: int
+  n_layer: int
+  dropout: float = 0.0
+  qk_norm: bool = False
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True):
+    b, t, c = x.shape
+    hd = c // self.n_head
+    qkv = nn.Dense(3 * c, use_bias=False, name="c_attn",
+                   kernel_init=nn.initializers.normal(0.02))(x)
+    q, k, v = (a.reshape(b, t, self.n_head, hd)
+               for a in jnp.split(qkv, 3, axis=-1))
+    if self.qk_norm:
+      q = nn.RMSNorm(epsilon=1e-6, name="q_norm")(q)
+      k = nn.RMSNorm(epsilon=1e-6, name="k_norm")(k)
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    att = jnp.where(causal, att, jnp.finfo(att.dtype).min)
+    att = nn.Dropout(self.dropout)(jax.nn.softmax(att, axis=-1),
+                                   deterministic=deterministic)
+    y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, c)
+    y = nn.Dense(c, use_bias=False, name="c_proj", kernel_init=(
+        nn.initializers.normal(0.02 / math.sqrt(2 * self.n_layer))))(y)
+    return nn.Dropout(self.dropout)(y, deterministic=deterministic)
+
+
+class GPTBlock(nn.Module):
+  """nanoGPT's Block: x + attn(ln_1 x), then x + mlp(ln_2 x)."""
+  n_head: int
+  n_layer: int
+  dropout: float = 0.0
+  qk_norm: bool = False
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True):
+    c = x.shape[-1]
+    ln = lambda name: nn.LayerNorm(epsilon=1e-5, use_bias=False, name=name)
+    x = x + GPTAttention(self.n_head, self.n_layer, self.dropout,
+                                self.qk_norm, name="attn")(
+                                    ln("ln_1")(x), deterministic)
+    h = nn.Dense(4 * c, use_bias=False, name="c_fc",
+                 kernel_init=nn.initializers.normal(0.02))(ln("ln_2")(x))
+    h = nn.Dense(c, use_bias=False, name="c_proj", kernel_init=(
+        nn.initializers.normal(0.02 / math.sqrt(2 * self.n_layer))))(
+            nn.gelu(h, approximate=False))
+    return x + nn.Dropout(self.dropout)(h, deterministic=deterministic)
+
+
+class GPT(nn.Module):
+  """nanoGPT's GPT: logits (batch, time, vocab), head tied to `wte`."""
+  vocab_size: int
+  block_size: int
+  n_layer: int
+  n_head: int
+  n_embd: int
+  dropout: float = 0.0
+  qk_norm: bool = False
+
+  @nn.compact
+  def __call__(self, idx, deterministic: bool = True):
+    t = idx.shape[-1]
+    if t > self.block_size:
+      raise ValueError(f"sequence of {t} > block_size {self.block_size}")
+    init = nn.initializers.normal(0.02)
+    wte = nn.Embed(self.vocab_size, self.n_embd, embedding_init=init,
+                   name="wte")
+    wpe = nn.Embed(self.block_size, self.n_embd, embedding_init=init,
+                   name="wpe")
+    x = wte(idx) + wpe(jnp.arange(t))
+    x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+    for i in range(self.n_layer):
+      x = GPTBlock(self.n_head, self.n_layer, self.dropout, self.qk_norm,
+                name=f"h_{i}")(x, deterministic)
+    x = nn.LayerNorm(epsilon=1e-5, use_bias=False, name="ln_f")(x)
+    return wte.attend(x)
