@@ -23,7 +23,7 @@ Stiefel attention optimizer and its alternatives as arms.
     python -m benchmarks.lm --study --report-only --out benchmarks/results/lm
                                              # the study's tables, from the runs
 
-Model (one definition, `GPT`): nanoGPT's `model.py` with its
+Model (`benchmarks.models.GPT`): nanoGPT's `model.py` with its
 `train_shakespeare_char` settings: token and learned position embeddings,
 pre-LayerNorm blocks (LayerNorm without bias, eps 1e-5; nanoGPT's default
 bias=False, so no Dense has a bias either), causal self-attention through a
