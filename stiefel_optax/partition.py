@@ -161,10 +161,11 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
       at that step). Rank-deficient frames are an error either way.
     stack_frames: True: `stiefel_tx` sees a tuple of stacks (k, *view) of
       the frame views of equal shape and dtype (see the module docstring)
-      instead of the tree, and its state is over those stacks; "auto": the
-      same, stacks of at most AUTO_STACK_BYTES (larger frames are stacks
-      of one); False (default): one frame view per leaf, in the tree's
-      structure.
+      instead of the tree (its tree-structured options no longer apply),
+      and its state is over those stacks; a frame view with no equal
+      partner stands in the tuple as it is. "auto": the same, stacks of at
+      most AUTO_STACK_BYTES (larger frames stand alone). False (default):
+      one frame view per leaf, in the tree's structure.
 
   Example (a raw frame tree, all leaves frames):
 
