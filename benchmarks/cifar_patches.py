@@ -593,21 +593,15 @@ def final_losses(recs, arm: str, n: int, block: str = "discovery") -> dict:
 
 def compare(recs, treatment: str, baseline: str, n: int,
             block: str = "discovery") -> Optional[dict]:
-  """paired_comparison (pp) over the seeds of `block` (discovery or
-  confirmation) both arms finished at n."""
-  a = accuracies(recs, treatment, n, block)
-  b = accuracies(recs, baseline, n, block)
-  seeds = sorted(set(a) & set(b))
-  if not seeds:
-    return None
-  out = stats.paired_comparison([a[s] for s in seeds], [b[s] for s in seeds])
-  la, lb = (final_losses(recs, arm, n, block) for arm in (treatment, baseline))
-  out.update(treatment=treatment, baseline=baseline, size=n, seeds=seeds,
-             mean_treatment=float(np.mean([a[s] for s in seeds])),
-             mean_baseline=float(np.mean([b[s] for s in seeds])),
-             loss_treatment=float(np.mean([la[s] for s in seeds])),
-             loss_baseline=float(np.mean([lb[s] for s in seeds])))
-  return out
+  """`stats.paired_row` of test accuracy (pp) over the seeds of `block`
+  (discovery or confirmation) both arms finished at n."""
+  row = stats.paired_row(
+      accuracies(recs, treatment, n, block), accuracies(recs, baseline, n, block),
+      final_losses(recs, treatment, n, block),
+      final_losses(recs, baseline, n, block))
+  if row is not None:
+    row.update(treatment=treatment, baseline=baseline, size=n)
+  return row
 
 
 # What makes two rows of a comparison table the same comparison.

@@ -1389,21 +1389,16 @@ def comparison_pairs(study: Study) -> list:
 
 
 def paired_losses(treat: Mapping, base: Mapping, block: str) -> Optional[dict]:
-  """Treatment - baseline in whole-split validation loss over the seeds of
-  `block` both have (negative favours the treatment; wins: seeds where the
-  treatment's loss is lower), with both arms' mean train loss."""
-  seeds = sorted(s for s in set(treat) & set(base)
-                 if harness.seed_block(s) == block)
-  if not seeds:
-    return None
-  val = lambda runs: [runs[s]["final"]["val_loss_full"] for s in seeds]
-  train = lambda runs: mean([runs[s]["final"]["train_loss"] for s in seeds])
-  c = stats.paired_comparison(val(base), val(treat))   # wins: treat lower
-  return dict(seeds=seeds, n=len(seeds), val_treatment=mean(val(treat)),
-              val_baseline=mean(val(base)), train_treatment=train(treat),
-              train_baseline=train(base), mean_diff=-c["mean_diff"],
-              ci_low=-c["ci_high"], ci_high=-c["ci_low"], t=-c["t"],
-              p=c["p"], wins=c["wins"], losses=c["losses"])
+  """`stats.paired_row` of whole-split validation loss over the seeds of
+  `block` both have (mean_diff treatment - baseline, negative favours the
+  treatment; wins: seeds where the treatment's loss is lower), with both
+  arms' mean train loss."""
+  pick = lambda runs, key: {s: r["final"][key] for s, r in runs.items()
+                            if harness.seed_block(s) == block}
+  return stats.paired_row(pick(treat, "val_loss_full"),
+                          pick(base, "val_loss_full"),
+                          pick(treat, "train_loss"), pick(base, "train_loss"),
+                          lower_is_better=True)
 
 
 def comparison_table(study: Study, runs: Mapping, block: str) -> list:
@@ -1576,8 +1571,8 @@ def study_markdown(study: Study, s: dict) -> list:
       t_text = "" if not np.isfinite(r["t"]) else f"{r['t']:.2f}"
       lines.append(
           f"| {r['treatment']} | {r['baseline']} | {seeds(r['seeds'])} |"
-          f" {r['val_treatment']:.4f} ({r['train_treatment']:.4f}) |"
-          f" {r['val_baseline']:.4f} ({r['train_baseline']:.4f}) |"
+          f" {r['mean_treatment']:.4f} ({r['loss_treatment']:.4f}) |"
+          f" {r['mean_baseline']:.4f} ({r['loss_baseline']:.4f}) |"
           f" {r['mean_diff']:+.4f} [{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]"
           f" | {t_text} | {fmt_p(r['p'])} | {fmt_p(r['p_holm'])} |"
           f" {r['wins']}/{r['n']} |")

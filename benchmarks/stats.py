@@ -3,7 +3,7 @@ Holm step-down correction across the comparisons of one table."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 from scipy import stats
@@ -40,6 +40,34 @@ def paired_comparison(treatment: Sequence[float], baseline: Sequence[float],
     out.update(t=float("nan"), p=float("nan"), ci_low=out["mean_diff"],
                ci_high=out["mean_diff"], wilcoxon_p=float("nan"))
   return out
+
+
+def paired_row(treatment: Mapping[int, float], baseline: Mapping[int, float],
+               loss_treatment: Optional[Mapping[int, float]] = None,
+               loss_baseline: Optional[Mapping[int, float]] = None, *,
+               lower_is_better: bool = False) -> Optional[dict]:
+  """One row of a comparison table: `paired_comparison` of {seed: metric}
+  maps over their common seeds (None if there are none), mean_diff always
+  treatment - baseline, wins the seeds where the treatment is better (for
+  a metric where lower is better: lower), with both arms' means and, when
+  given, their mean training losses (so a reader sees the regime)."""
+  seeds = sorted(set(treatment) & set(baseline))
+  if not seeds:
+    return None
+  a = [treatment[s] for s in seeds]
+  b = [baseline[s] for s in seeds]
+  if lower_is_better:   # count the treatment's wins as seeds where it is lower
+    row = paired_comparison(b, a)
+    row.update(mean_diff=-row["mean_diff"], ci_low=-row["ci_high"],
+               ci_high=-row["ci_low"], t=-row["t"])
+  else:
+    row = paired_comparison(a, b)
+  row.update(seeds=seeds, mean_treatment=float(np.mean(a)),
+             mean_baseline=float(np.mean(b)))
+  if loss_treatment is not None and loss_baseline is not None:
+    row.update(loss_treatment=float(np.mean([loss_treatment[s] for s in seeds])),
+               loss_baseline=float(np.mean([loss_baseline[s] for s in seeds])))
+  return row
 
 
 def unpaired_comparison(a: Sequence[float], b: Sequence[float]) -> dict:
