@@ -260,6 +260,23 @@ def test_holm_step_down():
   assert np.all(h >= p) and np.all(h <= np.minimum(1, 9 * p))
 
 
+def test_paired_row_keeps_treatment_minus_baseline_and_counts_better_seeds():
+  t = {0: 1.0, 1: 2.0, 2: 3.5}
+  b = {0: 1.5, 1: 2.2, 2: 3.0, 7: 9.0}          # seed 7 has no pair
+  hi = stats.paired_row(t, b)
+  lo = stats.paired_row(t, b, lower_is_better=True)
+  assert hi["seeds"] == lo["seeds"] == [0, 1, 2]
+  assert hi["mean_diff"] == pytest.approx(-0.2 / 3)
+  assert lo["mean_diff"] == pytest.approx(hi["mean_diff"])
+  assert (hi["wins"], hi["losses"]) == (1, 2)     # higher is better
+  assert (lo["wins"], lo["losses"]) == (2, 1)     # lower is better
+  for k in ("ci_low", "ci_high", "t", "p"):
+    assert lo[k] == pytest.approx(hi[k])
+  assert hi["mean_treatment"] == pytest.approx(6.5 / 3)
+  assert "loss_treatment" not in hi
+  assert stats.paired_row({0: 1.0}, {1: 1.0}) is None
+
+
 def _row(t, n, diff, p, seeds):
   return dict(treatment=t, baseline="adamw", size=n, mean_diff=diff, p=p,
               seeds=seeds)
