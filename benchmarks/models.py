@@ -236,8 +236,8 @@ class GPTBlock(nn.Module):
     c = x.shape[-1]
     ln = lambda name: nn.LayerNorm(epsilon=1e-5, use_bias=False, name=name)
     x = x + GPTAttention(self.n_head, self.n_layer, self.dropout,
-                                self.qk_norm, name="attn")(
-                                    ln("ln_1")(x), deterministic)
+                         self.qk_norm, name="attn")(ln("ln_1")(x),
+                                                    deterministic)
     h = nn.Dense(4 * c, use_bias=False, name="c_fc",
                  kernel_init=nn.initializers.normal(0.02))(ln("ln_2")(x))
     h = nn.Dense(c, use_bias=False, name="c_proj", kernel_init=(
