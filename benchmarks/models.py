@@ -270,6 +270,6 @@ class GPT(nn.Module):
     x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
     for i in range(self.n_layer):
       x = GPTBlock(self.n_head, self.n_layer, self.dropout, self.qk_norm,
-                name=f"h_{i}")(x, deterministic)
+                   name=f"h_{i}")(x, deterministic)
     x = nn.LayerNorm(epsilon=1e-5, use_bias=False, name="ln_f")(x)
     return wte.attend(x)
