@@ -124,6 +124,39 @@ def unstack(stacks, plan, like):
   return jax.tree.structure(like, is_leaf=_masked).unflatten(leaves)
 
 
+def _inner_params(f_params, stack_frames):
+  """What the Stiefel transform sees under a `stack_frames` setting."""
+  limit = stack_limit(stack_frames)
+  return f_params if limit is None else stack(f_params, stack_plan(f_params,
+                                                                    limit))
+
+
+def check_state(stiefel_tx, state, f_params, stack_frames) -> None:
+  """A clear error when the Stiefel group's state was not made by this
+  optimizer's `stack_frames` setting (a checkpoint of another setting, or
+  of another model), naming the setting that would fit it."""
+  made = lambda setting: jax.tree.structure(jax.eval_shape(
+      stiefel_tx.init, _inner_params(f_params, setting)))
+  have = jax.tree.structure(state)
+  try:
+    expected = made(stack_frames)
+  except Exception:  # pylint: disable=broad-except
+    return   # an init that cannot run abstractly: nothing to compare with
+  if have == expected:
+    return
+  fits = [repr(st) for st in STACK_FRAMES
+          if st != stack_frames and made(st) == have]
+  hint = (f" It fits stack_frames={' or '.join(fits)}: restore it into an"
+          " optimizer with that setting" if fits else
+          " It fits no stack_frames setting for these parameters (a state of"
+          " another model?): restore it into the optimizer that made it")
+  raise ValueError(
+      f"frame_partition: the Stiefel group's state ({have.num_leaves}"
+      f" arrays) is not the one this optimizer makes with"
+      f" stack_frames={stack_frames!r} ({expected.num_leaves}"
+      f" arrays).{hint}, or start a new state with tx.init(params).")
+
+
 def check_start(items, orthonormal_start: str = "check") -> None:
   """`transforms.check_start` on every selected leaf's frames, the error
   naming the path, the leaf's shape, its frames and spec."""
@@ -194,8 +227,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
       f_params = jax.tree.map(
           lambda w: geometry.polar(w, "newton_schulz") if
           transforms.is_concrete(w) else w, f_params)
-    if limit is not None:
-      f_params = stack(f_params, stack_plan(f_params, limit))
+    f_params = _inner_params(f_params, stack_frames)
     return FramePartitionState(stiefel_tx.init(f_params),
                                rest_tx.init(r_params))
 
@@ -211,6 +243,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
           f" {jax.tree.structure(updates)} vs {jax.tree.structure(params)}.")
     f_updates, r_updates = _groups(updates, items)
     f_params, r_params = _groups(params, items)
+    check_state(stiefel_tx, state.stiefel, f_params, stack_frames)
     if limit is not None:
       plan = stack_plan(f_params, limit)
       f_new, s_state = stiefel_tx.update(stack(f_updates, plan),

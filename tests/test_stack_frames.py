@@ -148,3 +148,20 @@ def test_project_start_stacked_equals_per_leaf():
   for x, y in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
   assert float(so.max_isometry_error(out[1], SELECTOR)) < 1e-5
+
+
+def test_a_state_of_another_setting_is_named_not_misread():
+  params = so.orthonormalize(_tree(jax.random.key(0)), frames=SELECTOR)
+  grads = jax.tree.map(jnp.ones_like, params)
+  per_leaf = so.stiefel_attention(1e-3, frames=SELECTOR)
+  stacked = so.stiefel_attention(1e-3, frames=SELECTOR, stack_frames=True)
+  with pytest.raises(ValueError, match=r"stack_frames=True.*It fits"
+                     r" stack_frames=False"):
+    stacked.update(grads, per_leaf.init(params), params)
+  with pytest.raises(ValueError, match=r"It fits stack_frames=True"):
+    per_leaf.update(grads, stacked.init(params), params)
+  other = so.orthonormalize(_tree(jax.random.key(0)) | {"extra": {
+      "query": {"kernel": jnp.eye(16, 8)[:, None, :]}}}, frames=SELECTOR)
+  with pytest.raises(ValueError, match="fits no stack_frames setting"):
+    per_leaf.update(jax.tree.map(jnp.ones_like, other), per_leaf.init(params),
+                    other)
