@@ -639,18 +639,16 @@ def fmt(x, nd=2):
 
 
 def markdown_table(rows) -> str:
-  lines = ["| treatment | baseline | n | pairs | treatment acc % (train loss)"
-           " | baseline acc % (train loss) | gain pp [95% CI] | paired t | p"
-           " | Holm p | wins |",
-           "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
-  for r in rows:
-    lines.append(
-        f"| {r['treatment']} | {r['baseline']} | {r['size']} | {r['n']} |"
-        f" {r['mean_treatment']:.2f} ({r['loss_treatment']:.3f}) |"
-        f" {r['mean_baseline']:.2f} ({r['loss_baseline']:.3f}) |"
-        f" {fmt(r['mean_diff'])} [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}] |"
-        f" {r['t']:.2f} | {r['p']:.2g} | {r['p_holm']:.2g} | {r['wins']}/{r['n']} |")
-  return "\n".join(lines)
+  return "\n".join(harness.markdown_table(
+      ["treatment", "baseline", "n", "pairs", "treatment acc % (train loss)",
+       "baseline acc % (train loss)", "gain pp [95% CI]", "paired t", "p",
+       "Holm p", "wins"], "llrrrrlrrrr",
+      [[r["treatment"], r["baseline"], r["size"], r["n"],
+        f"{r['mean_treatment']:.2f} ({r['loss_treatment']:.3f})",
+        f"{r['mean_baseline']:.2f} ({r['loss_baseline']:.3f})",
+        f"{fmt(r['mean_diff'])} [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]",
+        f"{r['t']:.2f}", f"{r['p']:.2g}", f"{r['p_holm']:.2g}",
+        f"{r['wins']}/{r['n']}"] for r in rows]))
 
 
 # The paper's Stiefel - AdamW gains (pp) by training-set size.

@@ -328,6 +328,24 @@ def add_common_args(p: argparse.ArgumentParser, *, default_out_dir: str,
 # Reports: plots, notes files, generated sections of RESULTS.md.
 
 
+def markdown_table(header: Sequence[str], align: str,
+                   rows: Iterable[Sequence]) -> list:
+  """The lines of a markdown table: `header`, the alignment row (one
+  character per column of `align`: "l" left, "r" right) and `rows` (cells
+  already formatted; str() of anything else).
+
+  >>> markdown_table(["arm", "ms"], "lr", [["adamw", 1.5]])
+  ['| arm | ms |', '|---|---:|', '| adamw | 1.5 |']
+  """
+  if len(align) != len(header):
+    raise ValueError(f"align {align!r} has {len(align)} columns, the header"
+                     f" {len(header)}.")
+  line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"
+  marks = {"l": "---", "r": "---:"}
+  return ([line(header), "|" + "|".join(marks[a] for a in align) + "|"]
+          + [line(r) for r in rows])
+
+
 def pyplot():
   """matplotlib.pyplot on the Agg backend (no display)."""
   import matplotlib  # pylint: disable=g-import-not-at-top

@@ -741,20 +741,18 @@ def setting_tables(gs: dict, refs: list, comps: list) -> list:
               " last step and its best over the evaluations (what nanoGPT's"
               " best_val_loss tracks; the difference is taken from it), the"
               " loss over the whole validation split, and the train"
-              " estimate at the last step:", "",
-              "| setting | seeds | published val | our val, last | our val,"
-              " best | best, per seed | our val, whole split | our train |"
-              f" difference | within {TOLERANCE:g} | wall s/run |",
-              "|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|"]
-    for r in refs:
-      lines.append(
-          f"| nanoGPT {r['preset']} | {harness.format_seeds(r['seeds'])} |"
-          f" {r['published']:.4g} | {r['val_loss']:.4f} |"
-          f" {r['best_val_loss']:.4f} |"
-          f" {', '.join(f'{v:.4f}' for v in r['best_val_loss_per_seed'].values())} |"
-          f" {r['val_loss_full']:.4f} | {r['train_loss']:.4f} |"
-          f" {r['diff']:+.4f} | {'yes' if r['within'] else 'no'} |"
-          f" {r['wall_s']:.0f} |")
+              " estimate at the last step:", ""]
+    lines += harness.markdown_table(
+        ["setting", "seeds", "published val", "our val, last", "our val, best",
+         "best, per seed", "our val, whole split", "our train", "difference",
+         f"within {TOLERANCE:g}", "wall s/run"], "llrrrlrrrlr",
+        [[f"nanoGPT {r['preset']}", harness.format_seeds(r["seeds"]),
+          f"{r['published']:.4g}", f"{r['val_loss']:.4f}",
+          f"{r['best_val_loss']:.4f}",
+          ", ".join(f"{v:.4f}" for v in r["best_val_loss_per_seed"].values()),
+          f"{r['val_loss_full']:.4f}", f"{r['train_loss']:.4f}",
+          f"{r['diff']:+.4f}", "yes" if r["within"] else "no",
+          f"{r['wall_s']:.0f}"] for r in refs])
     lines.append("")
   # One table per setting (the configuration up to the arm and the
   # learning rate); rows by arm, lr, the arm's own fields.
@@ -777,39 +775,33 @@ def setting_tables(gs: dict, refs: list, comps: list) -> list:
   for keys_ in sorted(by_setting.values(), key=setting_order):
     keys_ = sorted(keys_, key=order)
     cfg0 = gs[keys_[0]]["config"]
-    lines += [f"Setting: {setting(cfg0)}.", "",
-              "| arm | lr (non-Q/K) | seeds | train loss | val loss"
-              " (estimate) | val loss, whole split | sd | Q/K isometry error"
-              " | wall s/run |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for key in keys_:
       s = summarize(gs[key])
       sd = (f"{s['val_loss_full_sd']:.4f}"
             if np.isfinite(s["val_loss_full_sd"]) else "")
-      lines.append(
-          f"| {s['arm']} | {lr_text(gs[key]['config'])} |"
-          f" {harness.format_seeds(s['seeds'])} |"
-          f" {s['train_loss']:.4f} | {s['val_loss']:.4f} |"
-          f" {s['val_loss_full']:.4f} |"
-          f" {sd} |"
-          f" {s['qk_iso']:.2g} | {s['wall_s']:.0f} |")
+      rows.append([s["arm"], lr_text(gs[key]["config"]),
+                   harness.format_seeds(s["seeds"]), f"{s['train_loss']:.4f}",
+                   f"{s['val_loss']:.4f}", f"{s['val_loss_full']:.4f}", sd,
+                   f"{s['qk_iso']:.2g}", f"{s['wall_s']:.0f}"])
+    lines += [f"Setting: {setting(cfg0)}.", ""] + harness.markdown_table(
+        ["arm", "lr (non-Q/K)", "seeds", "train loss", "val loss (estimate)",
+         "val loss, whole split", "sd", "Q/K isometry error", "wall s/run"],
+        "lllrrrrrr", rows)
     here = [c for c in comps if c["group"] in keys_]
     if here:
       lines += ["", "Paired against adamw (val loss over the whole"
                 " validation split, arm - adamw; negative favours the arm;"
                 " each arm against every adamw lr run on the same seeds;"
-                " Holm across every comparison of this report):", "",
-                "| arm | baseline | seeds | block | mean diff | 95% CI | wins"
-                " | t | p | p (Holm) |",
-                "|---|---|---|---|---:|---|---|---:|---:|---:|"]
-      for c in here:
-        lines.append(
-            f"| {c['arm']} | {c['baseline']} |"
-            f" {harness.format_seeds(c['seeds'])} |"
-            f" {'+'.join(c['blocks'])} | {c['mean_diff']:+.4f} |"
-            f" [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}] |"
-            f" {c['wins']}/{len(c['seeds'])} | {c['t']:.2f} | {fmt_p(c['p'])} |"
-            f" {fmt_p(c['p_holm'])} |")
+                " Holm across every comparison of this report):", ""]
+      lines += harness.markdown_table(
+          ["arm", "baseline", "seeds", "block", "mean diff", "95% CI", "wins",
+           "t", "p", "p (Holm)"], "llllrllrrr",
+          [[c["arm"], c["baseline"], harness.format_seeds(c["seeds"]),
+            "+".join(c["blocks"]), f"{c['mean_diff']:+.4f}",
+            f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]",
+            f"{c['wins']}/{len(c['seeds'])}", f"{c['t']:.2f}", fmt_p(c["p"]),
+            fmt_p(c["p_holm"])] for c in here])
     lines.append("")
   return lines
 

@@ -815,16 +815,15 @@ STACK_NOTE = ("stacked: `stiefel_attention(..., stack_frames=True)`, the"
 
 
 def _md_update(res) -> list:
-  out = ["## One optimizer update", "",
-         "| tree | params | Q/K frames | adamw ms | stiefel_attention ms | ratio"
-         " | ratio of CPU time | stacked ms | ratio | auto ms | ratio |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-  for u in res["update"]:
-    out.append(f"| {u['tree']} | {u['params'] / 1e6:.2f} M | {u['qk_frames']}"
-               f" | {_fmt_ms(u['adamw_ms'])} | {_fmt_ms(u['stiefel_ms'])} |"
-               f" {u['ratio']:.2f} | {u['cpu_ratio']:.2f} |"
-               f" {_fmt_ms(u['stacked_ms'])} | {u['stacked_ratio']:.2f} |"
-               f" {_fmt_ms(u['auto_ms'])} | {u['auto_ratio']:.2f} |")
+  out = ["## One optimizer update", ""] + harness.markdown_table(
+      ["tree", "params", "Q/K frames", "adamw ms", "stiefel_attention ms",
+       "ratio", "ratio of CPU time", "stacked ms", "ratio", "auto ms",
+       "ratio"], "lrrrrrrrrrr",
+      [[u["tree"], f"{u['params'] / 1e6:.2f} M", u["qk_frames"],
+        _fmt_ms(u["adamw_ms"]), _fmt_ms(u["stiefel_ms"]), f"{u['ratio']:.2f}",
+        f"{u['cpu_ratio']:.2f}", _fmt_ms(u["stacked_ms"]),
+        f"{u['stacked_ratio']:.2f}", _fmt_ms(u["auto_ms"]),
+        f"{u['auto_ratio']:.2f}"] for u in res["update"]])
   u = res["update"][0]
   out += ["", STACK_NOTE,
           "", f"Against the floor ({u['tree']}: AdamW on the non-Q/K leaves"
@@ -834,10 +833,11 @@ def _md_update(res) -> list:
           f" {u['stacked_floor_ratio']:.3f}x, auto"
           f" {u['auto_floor_ratio']:.3f}x."]
   prof = u["profile"]
-  out += ["", f"## Where the update's time goes ({res['update'][0]['tree']})", "",
-          "| part | ms | CPU ms |", "|---|---:|---:|"]
-  for k, v in prof["parts_ms"].items():
-    out.append(f"| {k} | {_fmt_ms(v)} | {_fmt_ms(prof['parts_cpu_ms'][k])} |")
+  out += ["", f"## Where the update's time goes ({u['tree']})", ""]
+  out += harness.markdown_table(
+      ["part", "ms", "CPU ms"], "lrr",
+      [[k, _fmt_ms(v), _fmt_ms(prof["parts_cpu_ms"][k])]
+       for k, v in prof["parts_ms"].items()])
   out += ["", f"{prof['frames']} frames of ({prof['d']}, {prof['r']}); the"
           f" floor's products run at {prof['floor_gflops_per_s']:.1f} GFLOP/s."]
   return out
@@ -845,43 +845,41 @@ def _md_update(res) -> list:
 
 def _md_train_step(res) -> list:
   t = res["train_step"]
-  return ["## One training step (forward, backward, update, apply)", "",
-          "| model | params | adamw ms | stiefel_attention ms | ratio |"
-          " ratio of CPU time | stacked ms | ratio | auto ms | ratio |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-          f"| {t['model']} | {t['params'] / 1e6:.2f} M | {_fmt_ms(t['adamw_ms'])}"
-          f" | {_fmt_ms(t['stiefel_ms'])} | {t['ratio']:.3f} |"
-          f" {t['cpu_ratio']:.3f} | {_fmt_ms(t['stacked_ms'])} |"
-          f" {t['stacked_ratio']:.3f} | {_fmt_ms(t['auto_ms'])} |"
-          f" {t['auto_ratio']:.3f} |"]
+  return ["## One training step (forward, backward, update, apply)",
+          ""] + harness.markdown_table(
+              ["model", "params", "adamw ms", "stiefel_attention ms", "ratio",
+               "ratio of CPU time", "stacked ms", "ratio", "auto ms", "ratio"],
+              "lrrrrrrrrr",
+              [[t["model"], f"{t['params'] / 1e6:.2f} M",
+                _fmt_ms(t["adamw_ms"]), _fmt_ms(t["stiefel_ms"]),
+                f"{t['ratio']:.3f}", f"{t['cpu_ratio']:.3f}",
+                _fmt_ms(t["stacked_ms"]), f"{t['stacked_ratio']:.3f}",
+                _fmt_ms(t["auto_ms"]), f"{t['auto_ratio']:.3f}"]])
 
 
 def _md_state(res) -> list:
-  out = ["## Optimizer state of the Q/K kernels", "",
-         "| tree | Q/K params MB | adamw MB | stiefel_attention MB | ratio |",
-         "|---|---:|---:|---:|---:|"]
-  for s in res["state"]:
-    out.append(f"| {s['tree']} | {s['qk_param_bytes'] / 2**20:.2f} |"
-               f" {s['adamw_bytes'] / 2**20:.2f} | {s['stiefel_bytes'] / 2**20:.2f}"
-               f" | {s['ratio']:.4f} |")
-  return out
+  mb = lambda b: f"{b / 2**20:.2f}"
+  return ["## Optimizer state of the Q/K kernels", ""] + harness.markdown_table(
+      ["tree", "Q/K params MB", "adamw MB", "stiefel_attention MB", "ratio"],
+      "lrrrr",
+      [[s["tree"], mb(s["qk_param_bytes"]), mb(s["adamw_bytes"]),
+        mb(s["stiefel_bytes"]), f"{s['ratio']:.4f}"] for s in res["state"]])
 
 
 def _md_retraction(res) -> list:
-  out = ["## Polar retraction of a batch of d / r heads, float32", "",
-         "| method | (d, r) x heads | ms | isometry error, delta 0.1 |"
-         " isometry error, delta 1 |",
-         "|---|---|---:|---:|---:|"]
+  rows = []
   for r in res["retraction"]:
     name = r["method"]
     if "ns_steps_delta_0.1" in r:
       name += (f" ({r['ns_steps_delta_0.1']} / {r['ns_steps_delta_1']} steps)")
     shape = f"({r['d']}, {r['r']}) x {r['heads']}"
-    if "status" in r:
-      out.append(f"| {name} | {shape} | {r['status']} | | |")
-    else:
-      out.append(f"| {name} | {shape} | {_fmt_ms(r['ms'])} |"
-                 f" {r['iso_err_delta_0.1']:.1e} | {r['iso_err_delta_1']:.1e} |")
+    rows.append([name, shape, r["status"], "", ""] if "status" in r else
+                [name, shape, _fmt_ms(r["ms"]), f"{r['iso_err_delta_0.1']:.1e}",
+                 f"{r['iso_err_delta_1']:.1e}"])
+  out = ["## Polar retraction of a batch of d / r heads, float32", ""]
+  out += harness.markdown_table(
+      ["method", "(d, r) x heads", "ms", "isometry error, delta 0.1",
+       "isometry error, delta 1"], "llrrr", rows)
   out += ["", "Isometry error: max ||Q^T Q - I||_F of the float32 result,"
           " Q^T Q formed in float64. Newton–Schulz is timed sized for"
           " delta = 0.1 (the default cap); its delta = 1 error uses the steps"
@@ -898,19 +896,17 @@ def _md_peer(res) -> list:
   out = [PEER_TITLE, ""]
   if p["status"] == "skipped":
     return out + [f"Skipped: {p['message']}."]
-  out += ["| workload | leaves x (heads, d, r) | stiefel_adam ms | geoopt ms"
-          " | geoopt / ours | ratio of CPU time | stacked ms | geoopt /"
-          " stacked | auto ms | geoopt / auto | isometry error, ours |"
-          " isometry error, geoopt |",
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-  for r in p["rows"]:
-    h, d, k = r["shape"]
-    out.append(f"| {r['workload']} | {r['leaves']} x ({h}, {d}, {k}) |"
-               f" {_fmt_ms(r['ours_ms'])} | {_fmt_ms(r['geoopt_ms'])} |"
-               f" {r['ratio']:.2f} | {r['cpu_ratio']:.2f} |"
-               f" {_fmt_ms(r['ours_stacked_ms'])} | {r['ratio_stacked']:.2f} |"
-               f" {_fmt_ms(r['ours_auto_ms'])} | {r['ratio_auto']:.2f} |"
-               f" {r['ours_iso_err']:.1e} | {r['geoopt_iso_err']:.1e} |")
+  out += harness.markdown_table(
+      ["workload", "leaves x (heads, d, r)", "stiefel_adam ms", "geoopt ms",
+       "geoopt / ours", "ratio of CPU time", "stacked ms", "geoopt / stacked",
+       "auto ms", "geoopt / auto", "isometry error, ours",
+       "isometry error, geoopt"], "llrrrrrrrrrr",
+      [[r["workload"], f"{r['leaves']} x ({', '.join(map(str, r['shape']))})",
+        _fmt_ms(r["ours_ms"]), _fmt_ms(r["geoopt_ms"]), f"{r['ratio']:.2f}",
+        f"{r['cpu_ratio']:.2f}", _fmt_ms(r["ours_stacked_ms"]),
+        f"{r['ratio_stacked']:.2f}", _fmt_ms(r["ours_auto_ms"]),
+        f"{r['ratio_auto']:.2f}", f"{r['ours_iso_err']:.1e}",
+        f"{r['geoopt_iso_err']:.1e}"] for r in p["rows"]])
   if p["status"] != "ok":
     out += ["", f"Failed after {len(p['rows'])} workload(s): {p['message']}"]
   if p["rows"]:
