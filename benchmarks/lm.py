@@ -1484,16 +1484,15 @@ def study_markdown(study: Study, s: dict) -> list:
     lines += [
         "nanoGPT reference (AdamW at nanoGPT's published settings, lr"
         f" {rc.learning_rate:g} -> {rc.min_lr:g}, weight decay"
-        f" {rc.weight_decay:g}; its own record, not the tuned adamw):", "",
-        "| seeds | published val | val, last | val, best | val, whole split"
-        " | train | difference | wall s/run |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {seeds(ref['seeds'])} | {'' if pub is None else f'{pub:.4g}'} |"
-        f" {mean([r['final']['val_loss'] for r in runs]):.4f} | {best:.4f} |"
-        f" {mean([r['final']['val_loss_full'] for r in runs]):.4f} |"
-        f" {mean([r['final']['train_loss'] for r in runs]):.4f} |"
-        f" {'' if pub is None else f'{best - pub:+.4f}'} |"
-        f" {mean([r['wall_s'] for r in runs]):.0f} |", ""]
+        f" {rc.weight_decay:g}; its own record, not the tuned adamw):", ""]
+    final = lambda k: f"{mean([r['final'][k] for r in runs]):.4f}"
+    lines += harness.markdown_table(
+        ["seeds", "published val", "val, last", "val, best",
+         "val, whole split", "train", "difference", "wall s/run"], "lrrrrrrr",
+        [[seeds(ref["seeds"]), "" if pub is None else f"{pub:.4g}",
+          final("val_loss"), f"{best:.4f}", final("val_loss_full"),
+          final("train_loss"), "" if pub is None else f"{best - pub:+.4f}",
+          f"{mean([r['wall_s'] for r in runs]):.0f}"]]) + [""]
   lines += [
       f"Tuning on validation: {study.tune_iters} iterations (decay to"
       f" {study.tune_iters}, warmup {study.base.warmup_iters}), tuning seeds"
@@ -1504,9 +1503,8 @@ def study_markdown(study: Study, s: dict) -> list:
       f" AdamW lr brings its floor lr / {LR_FLOOR}. The non-Q/K weights of"
       " every arm but the AdamW"
       " recipes (adamw, qk_norm, orthogonal_init) train with adamw's chosen"
-      " lr and weight decay.", "",
-      "| arm | chosen | non-Q/K AdamW | grid | tuning runs | status |",
-      "|---|---|---|---|---:|---|"]
+      " lr and weight decay.", ""]
+  rows = []
   for a in study.arms:
     t = s["tuning"][a]
     grid = ("" if t["axes"] is None else " x ".join(
@@ -1515,26 +1513,24 @@ def study_markdown(study: Study, s: dict) -> list:
     nonqk = ("own" if a in OWN_ADAMW else
              "" if t["base"] is None else hp_text(t["base"]))
     chosen = "" if t["chosen"] is None else hp_text(t["chosen"])
-    lines.append(f"| {a} | {chosen} | {nonqk} | {grid} | {t['runs']} |"
-                 f" {t['status']} |")
-  lines.append("")
+    rows.append([a, chosen, nonqk, grid, t["runs"], t["status"]])
+  lines += harness.markdown_table(
+      ["arm", "chosen", "non-Q/K AdamW", "grid", "tuning runs", "status"],
+      "llllrl", rows) + [""]
   for a in study.arms:
     t = s["tuning"][a]
     if not t["runs"]:
       continue
     names = [n for n, _ in t["axes"]]
-    lines += [f"Tuning grid of {a}:", "",
-              "| " + " | ".join(AXIS_LABELS.get(n, n) for n in names)
-              + " | val loss per tuning seed | mean val loss | mean train"
-              " loss | |",
-              "|" + "---:|" * len(names) + "---|---:|---:|---|"]
-    for p in t["points"]:
-      per = ", ".join(f"{p['val_loss_full'][sd]:.4f}" for sd in p["seeds"])
-      mark = "chosen" if p["point"] == t["chosen"] else ""
-      lines.append("| " + " | ".join(f"{p['point'][n]:g}" for n in names)
-                   + f" | {per} | {fmt_loss(p['val'])} |"
-                   f" {fmt_loss(p['train'])} | {mark} |")
-    lines.append("")
+    lines += [f"Tuning grid of {a}:", ""] + harness.markdown_table(
+        [AXIS_LABELS.get(n, n) for n in names]
+        + ["val loss per tuning seed", "mean val loss", "mean train loss", ""],
+        "r" * len(names) + "lrrl",
+        [[f"{p['point'][n]:g}" for n in names]
+         + [", ".join(f"{p['val_loss_full'][sd]:.4f}" for sd in p["seeds"]),
+            fmt_loss(p["val"]), fmt_loss(p["train"]),
+            "chosen" if p["point"] == t["chosen"] else ""]
+         for p in t["points"]]) + [""]
   lines += [
       f"Paired runs at {study_setting(study)}, each arm at its chosen point"
       " (the same data, batches, evaluation batches and initial weights"
@@ -1555,20 +1551,16 @@ def study_markdown(study: Study, s: dict) -> list:
     if not rows:
       lines += ["(no paired runs yet)", ""]
       continue
-    lines += ["| treatment | baseline | seeds | treatment val (train) |"
-              " baseline val (train) | difference [95% CI] | t | p | p (Holm)"
-              " | wins |",
-              "|---|---|---|---:|---:|---|---:|---:|---:|---|"]
-    for r in rows:
-      t_text = "" if not np.isfinite(r["t"]) else f"{r['t']:.2f}"
-      lines.append(
-          f"| {r['treatment']} | {r['baseline']} | {seeds(r['seeds'])} |"
-          f" {r['mean_treatment']:.4f} ({r['loss_treatment']:.4f}) |"
-          f" {r['mean_baseline']:.4f} ({r['loss_baseline']:.4f}) |"
-          f" {r['mean_diff']:+.4f} [{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]"
-          f" | {t_text} | {fmt_p(r['p'])} | {fmt_p(r['p_holm'])} |"
-          f" {r['wins']}/{r['n']} |")
-    lines.append("")
+    lines += harness.markdown_table(
+        ["treatment", "baseline", "seeds", "treatment val (train)",
+         "baseline val (train)", "difference [95% CI]", "t", "p", "p (Holm)",
+         "wins"], "lllrrlrrrl",
+        [[r["treatment"], r["baseline"], seeds(r["seeds"]),
+          f"{r['mean_treatment']:.4f} ({r['loss_treatment']:.4f})",
+          f"{r['mean_baseline']:.4f} ({r['loss_baseline']:.4f})",
+          f"{r['mean_diff']:+.4f} [{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]",
+          "" if not np.isfinite(r["t"]) else f"{r['t']:.2f}", fmt_p(r["p"]),
+          fmt_p(r["p_holm"]), f"{r['wins']}/{r['n']}"] for r in rows]) + [""]
   return lines
 
 
