@@ -487,73 +487,69 @@ def study_table(summaries: dict, comp: dict, target: float) -> str:
                 comp["min_val_acc_after"])
   pct = int(round(100 * target))
   ceil = comp["ceiling"]
-  rows = [
-      "| metric (mean ± sd over seeds) | adamw | stiefel | stiefel − adamw |"
-      " test (Holm: adjusted across the table's three tests) |"
-      " seeds stiefel better / adamw better |",
-      "|---|---|---|---|---|---|",
-      f"| steps to {pct}% val acc (never reached: counted as {ceil}) |"
-      f" {_fmt(censored([r['steps_to_target'] for r in a], ceil), '{:.0f}')}"
-      f" (never {comp['n_never_adamw']}) |"
-      f" {_fmt(censored([r['steps_to_target'] for r in s], ceil), '{:.0f}')}"
-      f" (never {comp['n_never_stiefel']}) | {st['mean_diff']:+.0f} |"
-      f" paired t p = {st['p']:.3g} (Holm {st['holm']:.3g}), Wilcoxon p ="
-      f" {st['wilcoxon_p']:.3g} |"
-      f" {st['losses']} / {st['wins']} |",
-      f"| steps to {pct}% train acc (memorisation) |"
-      f" {_fmt([r['steps_to_train_target'] for r in a], '{:.0f}')} |"
-      f" {_fmt([r['steps_to_train_target'] for r in s], '{:.0f}')} | | | |",
-      f"| final val acc | {_fmt([r['final_val_acc'] for r in a])} |"
-      f" {_fmt([r['final_val_acc'] for r in s])} | {fv['mean_diff']:+.4f} |"
-      f" paired t p = {fv['p']:.3g} (Holm {fv['holm']:.3g}) |"
-      f" {fv['wins']} / {fv['losses']} |",
-      f"| min val acc after reaching {pct}% |"
-      f" {_fmt([r['min_val_acc_after'] for r in a])} |"
-      f" {_fmt([r['min_val_acc_after'] for r in s])} | |"
-      f" Welch p = {mn.get('p', float('nan')):.3g} (Holm {mn['holm']:.3g}) | |",
-      f"| final train acc | {_fmt([r['final_train_acc'] for r in a])} |"
-      f" {_fmt([r['final_train_acc'] for r in s])} | | | |",
-      f"| mean Q/K isometry error (per frame) |"
-      f" {_fmt([r['mean_iso'] for r in a], '{:.3g}')} |"
-      f" {_fmt([r['mean_iso'] for r in s], '{:.3g}')} | | | |",
-      f"| mean per-step Q/K movement (per frame) |"
-      f" {_fmt([r['mean_move'] for r in a], '{:.3g}')} |"
-      f" {_fmt([r['mean_move'] for r in s], '{:.3g}')} | | | |",
-      f"| final norm of all non-Q/K weights |"
-      f" {_fmt([r['final_other_norm'] for r in a], '{:.2f}')} |"
-      f" {_fmt([r['final_other_norm'] for r in s], '{:.2f}')} | | | |",
-  ]
-  return "\n".join(rows)
+  col = lambda runs, key, fmt="{:.4f}": _fmt([r[key] for r in runs], fmt)
+  steps = lambda runs: _fmt(censored([r["steps_to_target"] for r in runs],
+                                     ceil), "{:.0f}")
+  return "\n".join(harness.markdown_table(
+      ["metric (mean ± sd over seeds)", "adamw", "stiefel", "stiefel − adamw",
+       "test (Holm: adjusted across the table's three tests)",
+       "seeds stiefel better / adamw better"], "llllll",
+      [[f"steps to {pct}% val acc (never reached: counted as {ceil})",
+        f"{steps(a)} (never {comp['n_never_adamw']})",
+        f"{steps(s)} (never {comp['n_never_stiefel']})",
+        f"{st['mean_diff']:+.0f}",
+        f"paired t p = {st['p']:.3g} (Holm {st['holm']:.3g}), Wilcoxon p ="
+        f" {st['wilcoxon_p']:.3g}", f"{st['losses']} / {st['wins']}"],
+       [f"steps to {pct}% train acc (memorisation)",
+        col(a, "steps_to_train_target", "{:.0f}"),
+        col(s, "steps_to_train_target", "{:.0f}"), "", "", ""],
+       ["final val acc", col(a, "final_val_acc"), col(s, "final_val_acc"),
+        f"{fv['mean_diff']:+.4f}",
+        f"paired t p = {fv['p']:.3g} (Holm {fv['holm']:.3g})",
+        f"{fv['wins']} / {fv['losses']}"],
+       [f"min val acc after reaching {pct}%", col(a, "min_val_acc_after"),
+        col(s, "min_val_acc_after"), "",
+        f"Welch p = {mn.get('p', float('nan')):.3g} (Holm {mn['holm']:.3g})",
+        ""],
+       ["final train acc", col(a, "final_train_acc"),
+        col(s, "final_train_acc"), "", "", ""],
+       ["mean Q/K isometry error (per frame)", col(a, "mean_iso", "{:.3g}"),
+        col(s, "mean_iso", "{:.3g}"), "", "", ""],
+       ["mean per-step Q/K movement (per frame)",
+        col(a, "mean_move", "{:.3g}"), col(s, "mean_move", "{:.3g}"), "", "",
+        ""],
+       ["final norm of all non-Q/K weights",
+        col(a, "final_other_norm", "{:.2f}"),
+        col(s, "final_other_norm", "{:.2f}"), "", "", ""]]))
 
 
 def mechanism_table(iso: dict, moves: dict, log_every: int) -> str:
-  rows = ["| mechanism number | measured | paper |", "|---|---|---|"]
+  rows = []
   for key, label in (("adamw_over_rsgd", "riemannian_sgd"),
                      ("adamw_over_stiefel", "stiefel_adam")):
     if key in moves:
       m = moves[key]
-      rows.append(
-          f"| per-step Q/K movement, AdamW / {label}, first {m['steps']}"
+      rows.append([
+          f"per-step Q/K movement, AdamW / {label}, first {m['steps']}"
           f" steps: ratio of window means (per-seed range); per"
-          f" {log_every}-step chunk median (range) | {m['mean']:.1f}x"
-          f" ({m['min']:.1f}–{m['max']:.1f}x); {m['chunk_median']:.1f}x"
-          f" ({m['chunk_min']:.2g}–{m['chunk_max']:.3g}x) |"
-          f" {'24–40x (CIFAR, riemannian_sgd)' if label == 'riemannian_sgd' else '—'} |")
-  rows.append(
-      f"| Q/K isometry error, AdamW / Stiefel through training (geometric"
-      f" mean over logged steps, range) | {iso['geomean']:.3g}"
-      f" ({iso['min']:.3g}–{iso['max']:.3g}) | ~1e6 |")
-  rows.append(f"| Stiefel arm's largest mean isometry error | "
-              f"{iso['stiefel_max']:.3g} | |")
-  return "\n".join(rows)
+          f" {log_every}-step chunk median (range)",
+          f"{m['mean']:.1f}x ({m['min']:.1f}–{m['max']:.1f}x);"
+          f" {m['chunk_median']:.1f}x"
+          f" ({m['chunk_min']:.2g}–{m['chunk_max']:.3g}x)",
+          "24–40x (CIFAR, riemannian_sgd)" if label == "riemannian_sgd"
+          else "—"])
+  rows.append(["Q/K isometry error, AdamW / Stiefel through training"
+               " (geometric mean over logged steps, range)",
+               f"{iso['geomean']:.3g} ({iso['min']:.3g}–{iso['max']:.3g})",
+               "~1e6"])
+  rows.append(["Stiefel arm's largest mean isometry error",
+               f"{iso['stiefel_max']:.3g}", ""])
+  return "\n".join(harness.markdown_table(
+      ["mechanism number", "measured", "paper"], "lll", rows))
 
 
 def long_table(long_runs: dict, target: float, iso: Optional[dict]) -> str:
-  rows = ["| long run (one seed) | steps | final val acc | max val acc |"
-          f" min val acc after {int(round(100 * target))}% |"
-          " logged steps below 90% after it | max train loss after it |"
-          " non-Q/K norm min–max after it | final non-Q/K norm |",
-          "|---|---|---|---|---|---|---|---|---|"]
+  rows = []
   for arm, run in long_runs.items():
     h = run["history"]
     hit = steps_to_target(h, target)
@@ -566,16 +562,21 @@ def long_table(long_runs: dict, target: float, iso: Optional[dict]) -> str:
               if after else "n/a")
     max_loss = (f"{max(h['train_loss'][i] for i in after):.2g}"
                 if after else "n/a")
-    rows.append(f"| {arm} (seed {run['seed']}) | {h['step'][-1]} |"
-                f" {h['val_acc'][-1]:.4f} | {max(h['val_acc']):.4f} |"
-                f" {'n/a' if mn is None else f'{mn:.4f}'} |"
-                f" {'n/a' if below is None else below} | {max_loss} |"
-                f" {spread} | {norms[-1]:.2f} |")
+    rows.append([f"{arm} (seed {run['seed']})", h["step"][-1],
+                 f"{h['val_acc'][-1]:.4f}", f"{max(h['val_acc']):.4f}",
+                 "n/a" if mn is None else f"{mn:.4f}",
+                 "n/a" if below is None else below, max_loss, spread,
+                 f"{norms[-1]:.2f}"])
+  lines = harness.markdown_table(
+      ["long run (one seed)", "steps", "final val acc", "max val acc",
+       f"min val acc after {int(round(100 * target))}%",
+       "logged steps below 90% after it", "max train loss after it",
+       "non-Q/K norm min–max after it", "final non-Q/K norm"], "l" * 9, rows)
   if iso is not None:
-    rows.append(f"\nIsometry error ratio AdamW / Stiefel over the long run:"
-                f" geometric mean {iso['geomean']:.3g}, range"
-                f" {iso['min']:.3g}–{iso['max']:.3g}.")
-  return "\n".join(rows)
+    lines.append(f"\nIsometry error ratio AdamW / Stiefel over the long run:"
+                 f" geometric mean {iso['geomean']:.3g}, range"
+                 f" {iso['min']:.3g}–{iso['max']:.3g}.")
+  return "\n".join(lines)
 
 
 def plot_runs(runs: dict, path: Path, title: str) -> None:

@@ -332,15 +332,16 @@ def markdown_table(header: Sequence[str], align: str,
                    rows: Iterable[Sequence]) -> list:
   """The lines of a markdown table: `header`, the alignment row (one
   character per column of `align`: "l" left, "r" right) and `rows` (cells
-  already formatted; str() of anything else).
+  already formatted; str() of anything else; an empty one is "| |").
 
-  >>> markdown_table(["arm", "ms"], "lr", [["adamw", 1.5]])
-  ['| arm | ms |', '|---|---:|', '| adamw | 1.5 |']
+  >>> markdown_table(["arm", "ms", ""], "lrl", [["adamw", 1.5, ""]])
+  ['| arm | ms | |', '|---|---:|---|', '| adamw | 1.5 | |']
   """
   if len(align) != len(header):
     raise ValueError(f"align {align!r} has {len(align)} columns, the header"
                      f" {len(header)}.")
-  line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"
+  cell = lambda c: f" {c} " if str(c) else " "      # an empty cell: "| |"
+  line = lambda cells: "|" + "|".join(cell(c) for c in cells) + "|"
   marks = {"l": "---", "r": "---:"}
   return ([line(header), "|" + "|".join(marks[a] for a in align) + "|"]
           + [line(r) for r in rows])
