@@ -807,12 +807,11 @@ def _ours(r) -> str:
 
 
 def paper_table(rows) -> str:
-  lines = ["| comparison | paper | ours (mean gain, 95% CI, paired t, Holm-adjusted"
-           " p across this table, wins) |",
-           "|---|---|---|"]
-  for (label, _, _, _, paper), r in zip(PAPER_ROWS, rows):
-    lines.append(f"| {label} | {paper} | {_ours(r)} |")
-  return "\n".join(lines)
+  return "\n".join(harness.markdown_table(
+      ["comparison", "paper", "ours (mean gain, 95% CI, paired t,"
+       " Holm-adjusted p across this table, wins)"], "lll",
+      [[label, paper, _ours(r)]
+       for (label, _, _, _, paper), r in zip(PAPER_ROWS, rows)]))
 
 
 def supplementary_text(out: pathlib.Path, data: str) -> str:
