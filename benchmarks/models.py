@@ -195,12 +195,16 @@ class PatchViTConfig:
 # nanoGPT's GPT (the language-model benchmark).
 
 
-class GPTAttention(nn.Module):
-  """nanoGPT's CausalSelfAttention: one fused c_attn (d, 3d) Dense."""
+class _GPTLayer(nn.Module):
+  """The fields nanoGPT's attention and block share."""
   n_head: int
   n_layer: int
   dropout: float = 0.0
   qk_norm: bool = False
+
+
+class GPTAttention(_GPTLayer):
+  """nanoGPT's CausalSelfAttention: one fused c_attn (d, 3d) Dense."""
 
   @nn.compact
   def __call__(self, x, deterministic: bool = True):
@@ -224,12 +228,8 @@ class GPTAttention(nn.Module):
     return nn.Dropout(self.dropout)(y, deterministic=deterministic)
 
 
-class GPTBlock(nn.Module):
+class GPTBlock(_GPTLayer):
   """nanoGPT's Block: x + attn(ln_1 x), then x + mlp(ln_2 x)."""
-  n_head: int
-  n_layer: int
-  dropout: float = 0.0
-  qk_norm: bool = False
 
   @nn.compact
   def __call__(self, x, deterministic: bool = True):
