@@ -22,6 +22,9 @@ Tables:
    embedding reduced to 8192 x 768; (b) a small patch ViT tree (d = 64,
    4 heads of 16, 64 tokens, 6 layers). Both optimizers see the same tree;
    `stiefel_attention` trains the 24 (resp. 12) query/key kernels per head.
+   `stiefel_attention` is also timed with `stack_frames=True` and "auto"
+   (equal-shape frames of all leaves as one batch; stacks up to 1 MiB), in
+   the same alternation, and against its floor (table 2).
 2. Where the update's time goes on the GPT-2 tree: AdamW on the Q/K leaves
    and on the rest, the Stiefel group alone, and the floor: the d x r x r
    products that any Stiefel step needs, timed on the same frames.
