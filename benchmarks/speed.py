@@ -785,12 +785,13 @@ def peer_comparison(python: Optional[str], workloads=PEER_WORKLOADS,
   if missing:
     return {"status": "skipped", "message": missing}
   cores = len(os.sched_getaffinity(0))
-  res = {"peer_python": python, "threads": cores, "lr": PEER_LR, "rows": []}
+  where = harness.portable(python) if python else python   # no machine path
+  res = {"peer_python": where, "threads": cores, "lr": PEER_LR, "rows": []}
   try:
     child = PeerChild(python, threads or cores, timeout)
   except PeerError as e:
     return {"status": "skipped", "message": f"{e}; {PEER_SETUP_HINT}",
-            "peer_python": python}
+            "peer_python": where}
   with child:
     res.update(torch=child.hello["torch"], geoopt=child.hello["geoopt"],
                torch_threads=child.hello["threads"])
