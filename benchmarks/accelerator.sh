@@ -3,7 +3,8 @@
 #   (a) the update and training-step speed of stiefel_attention (per leaf
 #       and with stack_frames=True) against optax.adamw on GPT-2-small
 #       shapes (benchmarks/speed.py's update and train_step comparisons; its
-#       CPU-only retraction table is left out);
+#       CPU-only retraction table is left out), and its native-layout probe
+#       (do XLA's GPU dots take the (d, heads, r) kernels without copies?);
 #   (b) the language model at nanoGPT's shakespeare_char (GPU) config:
 #       6 layers, 6 heads, 384 wide, context 256, batch 64, 5,000 iters,
 #       lr 1e-3 -> 1e-4, dropout 0.2 (published AdamW val loss 1.4697),
@@ -57,7 +58,9 @@ lm = speed.LM_QUICK if toy else speed.LMConfig(
 iters = 3 if toy else 11
 res = dict(machine=harness.machine(),
            update=speed.update_comparison(tree, iters),
-           train_step=speed.train_step_comparison(lm, iters))
+           train_step=speed.train_step_comparison(lm, iters),
+           layout=speed.layout_comparison(
+               *((2, 64, 4, 16) if toy else speed.LAYOUT_WORKLOAD), iters))
 out = pathlib.Path(os.environ["OUT"]) / "speed"
 harness.write_json(out / "speed.json", res, indent=1)
 rows = ["| what | adamw ms | stiefel_attention ms | ratio | stacked ms"
@@ -69,7 +72,7 @@ for name, r in (("update: " + res["update"]["tree"], res["update"]),
               f" | {r['stacked_ratio']:.3f} | {r['auto_ms']:.3f}"
               f" | {r['auto_ratio']:.3f} |")
 md = (f"Machine: {harness.machine_line(res['machine'])}\n\n" + "\n".join(rows)
-      + "\n")
+      + "\n\n" + "\n".join(speed._md_layout(res)) + "\n")
 harness.write_text(out / "speed.md", md)
 print(md)
 EOF

@@ -70,6 +70,12 @@ Tables:
    took 5 min on 2 CPU cores that another job kept busy, mostly workload A
    (one geoopt step of its 288 frames: seconds).
 
+7. The native layout (issue 13, item 1): the step's five products per
+   leaf on GPT-2 small's 24 Q/K kernels (768, 12, 64), as einsums over the
+   kernel's own axes with the momentum in kernel layout, against the frame
+   view the library uses; ms, alternated, and the transposes and copies in
+   each optimized program (`transposes`), which show where XLA moves data.
+
 Results: `--out DIR` (default runs/speed for a full run, runs/speed_peer
 with --peer-only, none for --quick; `--out benchmarks/results` refreshes the
 committed figures) receives speed.json and speed.md. Machine load (`os.getloadavg`)
@@ -348,6 +354,75 @@ def _floor_products(w, g, m):
   m_new = m - w @ (b + c)
   a = w + 1e-3 * m_new
   return a @ geometry.gram(a)
+
+
+# --------------------------------------------------------------------------
+# The native layout: the step's products as einsums over the kernel's own
+# axes, against the frame view.
+
+NATIVE = "native layout: einsums over (d, heads, r), momentum in kernel layout"
+VIEW = "frame view: (heads, d, r) views, momentum in view layout"
+
+
+def _step_products(w, g, m, gram, times):
+  """The five products of `_floor_products`, for one layout's `gram`
+  (W^T G per head) and `times` (frame times an r x r matrix per head);
+  returns the step and the new momentum."""
+  m_new = m - times(w, gram(w, g) + gram(w, m))
+  a = w + 1e-3 * m_new
+  return times(a, gram(a, a)) - w, m_new
+
+
+def _native_step(w, g, m):
+  """On (d, heads, r) kernels: nothing is transposed in this program."""
+  gram = lambda a, b: jnp.einsum("dhr,dhs->hrs", a, b)
+  times = lambda a, s: jnp.einsum("dhr,hrs->dhs", a, s)
+  return _step_products(w, g, m, gram, times)
+
+
+def _view_step(w, g, m):
+  """As the library does it: W and G viewed as (heads, d, r) frames, the
+  momentum kept in that view, the step put back in the kernel's layout."""
+  view = lambda x: jnp.swapaxes(x, 0, 1)
+  u, m_new = _step_products(view(w), view(g), m, geometry.gram,
+                            lambda a, s: a @ s)
+  return view(u), m_new
+
+
+def transposes(compiled_text: str) -> int:
+  """Transpose and copy instructions in an optimized HLO module's text
+  (inside fusions included): the data movement the layout costs."""
+  return len(re.findall(r"\b(?:transpose|copy)\(", compiled_text))
+
+
+# GPT-2 small's 24 Q/K kernels (d, heads, head_dim).
+LAYOUT_WORKLOAD = (24, 768, 12, 64)
+
+
+def layout_comparison(leaves: int, d: int, heads: int, r: int, iters: int
+                      ) -> Dict[str, Any]:
+  """The step's five products on `leaves` (d, heads, r) kernels, in the
+  native layout and through the frame view, alternated: ms and the
+  transposes XLA's optimized program holds for each (item 1 of the speed
+  issue: does computing in the kernel's layout remove the copies?)."""
+  rng = np.random.default_rng(0)
+  w, g = ([jnp.asarray(rng.standard_normal((d, heads, r)), jnp.float32)
+           for _ in range(leaves)] for _ in "wg")
+  m_view = [jnp.swapaxes(x, 0, 1) for x in g]
+  step = {NATIVE: (_native_step, g), VIEW: (_view_step, m_view)}
+  fns, count = {}, {}
+  for name, (fn, m) in step.items():
+    # One program for all leaves, each leaf its own products (as the
+    # library's per-leaf update).
+    per_leaf = jax.jit(lambda w, g, m, fn=fn: jax.tree.map(fn, w, g, m))
+    count[name] = transposes(per_leaf.lower(w, g, m).compile().as_text())
+    fns[name] = _call(per_leaf, w, g, m)
+  t = median_times(fns, iters)
+  return {"leaves": leaves, "kernel": [d, heads, r],
+          "backend": jax.default_backend(),
+          "rows": [{"layout": name, "ms": 1e3 * t[name],
+                    "transposes": count[name]} for name in step],
+          "native_over_view": t[NATIVE] / t[VIEW]}
 
 
 # --------------------------------------------------------------------------
@@ -891,6 +966,31 @@ def _md_retraction(res) -> list:
   return out
 
 
+def _md_layout(res) -> list:
+  r = res["layout"]
+  out = ["## Native layout against the frame view, float32", ""]
+  out += harness.markdown_table(
+      ["layout", f"{r['leaves']} x {tuple(r['kernel'])} kernels, ms",
+       "transposes and copies in the compiled program"], "lrr",
+      [[x["layout"], _fmt_ms(x["ms"]), str(x["transposes"])]
+       for x in r["rows"]])
+  out += ["", "The step's five d x r x r products (W^T G, W^T m, W S,"
+          " (W + xi)^T (W + xi), (W + xi) Z) per leaf, one jitted program"
+          " for all leaves: as einsums over the kernel's own axes"
+          " (`dhr,dhs->hrs`, `dhr,hrs->dhs`) with the momentum in kernel"
+          " layout, and as the library computes them (W and G viewed as"
+          " (heads, d, r) frames, the momentum kept in that view, the step"
+          " transposed back). Native / view:"
+          f" {r['native_over_view']:.2f}. Transposes: the `transpose` and"
+          " `copy` instructions of XLA's optimized program on"
+          f" {r['backend']}. Where the native program holds as many or more,"
+          " XLA transposes the einsums' operands itself (its dot takes the"
+          " batch axis, the heads, major), once per product instead of once"
+          " per step: computing in the kernel's layout then moves the"
+          " copies into XLA rather than removing them."]
+  return out
+
+
 PEER_TITLE = ("## Peer: geoopt's RiemannianAdam on EuclideanStiefel"
               " (PyTorch, CPU)")
 
@@ -935,7 +1035,7 @@ def _md_peer(res) -> list:
 
 MD_SECTIONS = (("update", _md_update), ("train_step", _md_train_step),
                ("state", _md_state), ("retraction", _md_retraction),
-               ("peer", _md_peer))
+               ("peer", _md_peer), ("layout", _md_layout))
 
 
 def markdown(res: Dict[str, Any]) -> str:
@@ -1001,6 +1101,9 @@ def run(quick: bool = False, out: Optional[str] = None,
   section("peer", lambda: peer_comparison(
       peer_python, PEER_QUICK if quick else PEER_WORKLOADS, iters, timeout,
       peer_threads))
+  if not peer_only:
+    section("layout", lambda: layout_comparison(
+        *((2, 64, 4, 16) if quick else LAYOUT_WORKLOAD), iters))
   if res["peer"]["status"] != "ok":
     print(f"peer comparison (geoopt) {res['peer']['status']}:"
           f" {res['peer']['message']}", file=sys.stderr)

@@ -39,7 +39,7 @@ def test_prints_and_writes_the_tables(quick):
   assert res["quick"]
   for title in ("One optimizer update", "Where the update's time goes",
                 "One training step", "Optimizer state of the Q/K kernels",
-                "Polar retraction"):
+                "Polar retraction", "Native layout against the frame view"):
     assert title in md and title in stdout
 
 
@@ -84,6 +84,41 @@ def test_retractions_report_isometry(quick):
       assert r["iso_err_delta_0.1"] <= 1e-5 and r["iso_err_delta_1"] <= 1e-5
     elif "status" not in r:   # eigh / SVD may report a LAPACK hang instead
       assert r["iso_err_delta_0.1"] <= 1e-4
+
+
+def test_layout_rows_are_well_formed(quick):
+  res, _, _ = quick
+  lay = res["layout"]
+  speed = speed_module()
+  assert [r["layout"] for r in lay["rows"]] == [speed.NATIVE, speed.VIEW]
+  ms = {r["layout"]: r["ms"] for r in lay["rows"]}
+  assert all(v > 0 for v in ms.values())
+  assert lay["native_over_view"] == pytest.approx(
+      ms[speed.NATIVE] / ms[speed.VIEW])
+  assert all(r["transposes"] >= 0 for r in lay["rows"])
+
+
+def test_native_and_view_steps_agree():
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  speed = speed_module()
+  keys = jax.random.split(jax.random.key(0), 3)
+  w, g, m = (0.1 * jax.random.normal(k, (16, 3, 4)) for k in keys)
+  u_n, m_n = speed._native_step(w, g, m)
+  u_v, m_v = speed._view_step(w, g, jnp.swapaxes(m, 0, 1))
+  assert u_n.shape == w.shape and u_v.shape == w.shape
+  assert jnp.abs(u_n - u_v).max() < 1e-5
+  assert jnp.abs(m_n - jnp.swapaxes(m_v, 0, 1)).max() < 1e-5
+
+
+def test_transposes_counts_data_movement():
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  speed = speed_module()
+  x = jnp.ones((8, 4))
+  text = lambda f: jax.jit(f).lower(x).compile().as_text()
+  assert speed.transposes(text(lambda a: a + 1.0)) == 0
+  assert speed.transposes(text(lambda a: a.T * 2.0)) >= 1
 
 
 # --------------------------------------------------------------------------
