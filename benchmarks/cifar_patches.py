@@ -369,13 +369,17 @@ class Bench:
     self.all_train = np.arange(len(data.x_train))
     self._accuracy = {}
     self._epoch_fns = {}
+    self._records = {}   # name -> record read or written
     (self.out / "runs").mkdir(parents=True, exist_ok=True)
 
   # results on disk --------------------------------------------------------
   def load(self, task: Task) -> Optional[dict]:
-    rec = self.store.load(task.name, self.fp)
+    rec = self._records.get(task.name)
     if rec is None:
-      return None
+      rec = self.store.load(task.name, self.fp)
+      if rec is None:
+        return None
+      self._records[task.name] = rec   # runs change only through `execute`
     try:   # stale if the chosen hyperparameters have changed since
       if task.kind == "run" and rec.get("hp") != self.chosen(task.arm):
         return None
@@ -503,7 +507,15 @@ class Bench:
         "machine": harness.machine(),
     }
     self.store.save(task.name, rec)
+    self._records[task.name] = rec
     return rec
+
+  def expected_s(self, task: Task) -> Optional[float]:
+    """The median wall time of the runs read or made of the task's kind,
+    arm and n (None if there are none)."""
+    walls = [r["wall_s"] for r in self._records.values()
+             if (r["kind"], r["arm"], r["n"]) == (task.kind, task.arm, task.n)]
+    return float(np.median(walls)) if walls else None
 
 
 # --------------------------------------------------------------------------
@@ -534,33 +546,41 @@ def plan(bench: Bench, sizes: Sequence[int], main_seeds: Sequence[int],
   return tasks
 
 
-def run_plan(bench: Bench, tasks: Sequence[Task], report_fn=None) -> None:
-  """Runs the unfinished tasks in order; a tuning marker (hp None) runs the
-  arm's grid, extending it until its best point is interior."""
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  runs = [t for t in tasks if t.hp is not None or t.kind == "run"]
-  bar = tqdm(total=len(runs), desc="cifar", mininterval=5)
-
-  def run(t: Task) -> None:
-    if bench.load(t) is None:
-      rec = bench.execute(t)
-      acc = rec.get("test_acc", rec.get("val_acc"))
-      bar.write(f"{t.name}: acc {100 * acc:.2f}%, train loss"
-                f" {rec['train_loss'][-1]:.3f}, {rec['wall_s']:.1f}s")
-      if t.kind == "run" and report_fn:   # the tables so far
-        report_fn()
-    bar.update(1)
-
+def remaining(bench: Bench, tasks: Sequence[Task]) -> list:
+  """The plan's unfinished runs, in order: a tuning marker (hp None)
+  stands for its arm's current grid, and the list ends after the first
+  grid with runs left (what follows may wait on its choice; once they are
+  done the grid may widen)."""
+  out = []
   for task in tasks:
     if task.kind == "tune" and task.hp is None:
-      while todo := [t for t in bench.tune_tasks(task.arm)
-                     if bench.load(t) is None]:
-        bar.total += len(todo)
-        for t in todo:
-          run(t)
-    else:
-      run(task)
-  bar.close()
+      todo = [t for t in bench.tune_tasks(task.arm) if bench.load(t) is None]
+      if todo:
+        return out + todo
+    elif bench.load(task) is None:
+      out.append(task)
+  return out
+
+
+def describe(task: Task, rec: dict) -> str:
+  acc = rec.get("test_acc", rec.get("val_acc"))
+  return (f"{task.name}: acc {100 * acc:.2f}%, train loss"
+          f" {rec['train_loss'][-1]:.3f}, {rec['wall_s']:.1f}s")
+
+
+def run_plan(bench: Bench, tasks: Sequence[Task], report_fn=None,
+             time_budget: float = 0.0) -> int:
+  """Runs the plan's unfinished runs in order (`harness.run_tasks`), a
+  tuning grid extended until its best point is interior; report_fn()
+  after each paired run. Returns the number of runs made."""
+  def after(task, _):
+    if task.kind == "run" and report_fn:   # the tables so far
+      report_fn()
+
+  return harness.run_tasks(lambda: remaining(bench, tasks), bench.execute,
+                           desc="cifar", describe=describe, after=after,
+                           expected_s=bench.expected_s,
+                           time_budget=time_budget)
 
 
 # --------------------------------------------------------------------------
@@ -947,6 +967,7 @@ def parse_args(argv=None):
       seeds_default=harness.format_seeds(harness.DISCOVERY_SEEDS),
       quick_help="synthetic images, tiny model, two arms (< 1 minute)",
       seeds_help="seeds of the adamw and stiefel arms")
+  harness.add_time_budget_arg(p)
   p.add_argument("--other-seeds", type=harness.seeds_type, default=None,
                  help="seeds of the other arms (default"
                       f" {harness.format_seeds(harness.DISCOVERY_SEEDS[:6])})")
@@ -1009,7 +1030,7 @@ def main(argv=None) -> dict:
           f" planned steps; identity {bench.fp}; out {out}", flush=True)
     t0 = time.time()
     run_plan(bench, tasks, lambda: report(out, data.source, cfg.to_dict(),
-                                          plots=False))
+                                          plots=False), args.time_budget)
     print(f"sweep wall time {time.time() - t0:.0f}s", flush=True)
   # --report-only reports the folder's runs under their own configuration
   # (a reference folder holds one: the tiny protocol's, the main one's).

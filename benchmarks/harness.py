@@ -1,7 +1,8 @@
 """What every benchmark shares: run identity, atomic writes, resumable run
 stores, seed lists, the machine record, output folders, the command-line
-conventions, the generated sections of RESULTS.md and fair tuning (product
-grids, their best point, widened past the edges it lands on).
+conventions, the generated sections of RESULTS.md, fair tuning (product
+grids, their best point, widened past the edges it lands on) and the study
+runner (`run_tasks`: a plan's runs in order, asked anew after each).
 
 Identity. A saved run is reused (not trained again) only if its `identity`
 equals `identity(config, data)` of the run about to be made: a hash of the
@@ -324,6 +325,13 @@ def add_common_args(p: argparse.ArgumentParser, *, default_out_dir: str,
                       " runs and the notes files")
 
 
+def add_time_budget_arg(p: argparse.ArgumentParser, what: str = "run") -> None:
+  """--time-budget: a study that stops by itself (before a session ends)."""
+  p.add_argument("--time-budget", type=float, default=0,
+                 help=f"seconds: start no {what} expected to end past it"
+                      " (from the runs' timing so far; 0: no limit)")
+
+
 # --------------------------------------------------------------------------
 # Reports: plots, notes files, generated sections of RESULTS.md.
 
@@ -502,3 +510,53 @@ def tuned_axes(axes, scores_of: Callable[[tuple], Optional[dict]],
       return Tuning(axes, scores, True, widenings)
     axes = wider
   raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------
+# The study runner: every experiment's plan, run in order, resumable.
+
+
+def run_tasks(remaining: Callable[[], Sequence], execute: Callable, *,
+              desc: str, describe: Callable, after: Optional[Callable] = None,
+              expected_s: Optional[Callable] = None, time_budget: float = 0.0,
+              log: Callable = print, progress: bool = True) -> int:
+  """Runs `remaining()[0]` until `remaining()` is empty: the list is asked
+  anew after each run, so a plan that depends on finished runs (a tuning
+  grid that widens, paired runs waiting on a tuning choice) follows them.
+
+  execute(task) trains one run and returns its record; log gets
+  describe(task, record) after it, then after(task, record) runs (the
+  tables so far). With time_budget > 0 the runner stops before a run
+  expected to end past that many seconds from its start (expected_s(task),
+  else the longest run so far). Returns the number of runs made.
+  """
+  bar = None
+  if progress:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm(desc=desc, unit="run", mininterval=5)
+  t0, made, longest = time.time(), 0, 0.0
+  while left := remaining():
+    task = left[0]
+    if bar is not None:
+      bar.total = made + len(left)
+      bar.refresh()
+    expect = (expected_s(task) if expected_s else None) or longest
+    if time_budget and made and time.time() - t0 + expect > time_budget:
+      log(f"time budget {time_budget:.0f} s: stopping with {len(left)}"
+          f" planned run(s) left (the next expected to take {expect:.0f} s)")
+      break
+    ts = time.time()
+    rec = execute(task)
+    longest = max(longest, time.time() - ts)
+    made += 1
+    line = f"[{len(left) - 1} planned left] {describe(task, rec)}"
+    if bar is not None:
+      bar.write(line)
+      bar.update(1)
+    else:
+      log(line)
+    if after is not None:
+      after(task, rec)
+  if bar is not None:
+    bar.close()
+  return made

@@ -1280,37 +1280,37 @@ def estimate_text(study: Study, est: dict, n_timed: int) -> str:
 def run_study(study: Study, corpus: Corpus, out: pathlib.Path, *,
               command: str = "", log=print, time_budget: float = 0.0,
               rates: Optional[Mapping] = None, on_paired=None) -> int:
-  """Runs the study's unfinished runs in plan order (the plan recomputed
-  after each, so a tuning grid widens as its runs come in); stops before a
-  run expected to end past time_budget seconds. on_paired() after each
-  paired run (the tables so far). Returns the number of runs trained."""
-  store = harness.RunStore(out)
-  done = finished_runs(store.records(), current_version=True)
+  """Runs the study's unfinished runs in plan order (`harness.run_tasks`:
+  the plan recomputed after each, so a tuning grid widens as its runs come
+  in); stops before a run expected to end past time_budget seconds.
+  on_paired() after each paired run (the tables so far). Returns the
+  number of runs trained."""
+  done = finished_runs(harness.RunStore(out).records(), current_version=True)
   rates = dict(rates or {})
-  t0, trained, longest = time.time(), 0, 0.0
-  while left := remaining(study, done, corpus.data_id):
-    task = left[0]
-    expect = run_seconds(task.cfg, rates) or longest
-    if time_budget and trained and time.time() - t0 + expect > time_budget:
-      log(f"time budget {time_budget:.0f} s: stopping before {task.stage}"
-          f" {task_name(task, corpus.data_id)}")
-      break
-    ts = time.time()
+
+  def execute(task: Task) -> dict:
     rec = train_run(task.cfg, task.seed, corpus, out, command=command,
                     log=log)
-    longest = max(longest, time.time() - ts)
     if rec["name"] != task_name(task, corpus.data_id) or rec.get(
         "final") is None:
       raise RuntimeError(f"{rec['name']}: not the finished run planned.")
     done[rec["name"]] = rec
-    trained += 1
+    return rec
+
+  def describe(task: Task, rec: dict) -> str:
     f = rec["final"]
-    log(f"[{task.stage}, {len(left) - 1} planned left] {rec['name']}: train"
-        f" {f['train_loss']:.4f}, val (whole split) {f['val_loss_full']:.4f},"
-        f" {rec['wall_s']:.0f} s")
+    return (f"{task.stage} {rec['name']}: train {f['train_loss']:.4f}, val"
+            f" (whole split) {f['val_loss_full']:.4f}, {rec['wall_s']:.0f} s")
+
+  def after(task: Task, _) -> None:
     if task.stage in ("discovery", "confirmation") and on_paired is not None:
       on_paired()
-  return trained
+
+  return harness.run_tasks(
+      lambda: remaining(study, done, corpus.data_id), execute,
+      desc="lm study", describe=describe, after=after,
+      expected_s=lambda task: run_seconds(task.cfg, rates),
+      time_budget=time_budget, log=log, progress=False)
 
 
 # The study's report: tuning grids with their scores, chosen points and the
@@ -1721,21 +1721,21 @@ def train_sweep(args, argv, corpus: Corpus, out: pathlib.Path, log) -> bool:
     if args.dry_run:
       return False
   command = harness.command_line("benchmarks.lm", argv)
-  t0, per_seed = time.time(), []
-  for seed in seeds:   # seed-major: a stopped study leaves whole pairs
-    if (args.time_budget and per_seed and time.time() - t0
-        + 1.1 * max(per_seed) > args.time_budget):
-      log(f"time budget {args.time_budget:.0f} s: stopping before seed"
-          f" {seed}")
-      break
-    ts = time.time()
+  left = list(seeds)   # train_run reuses the finished runs
+
+  def execute(seed: int) -> dict:   # seed-major: a stop leaves whole pairs
     for cfg in cfgs:
       rec = train_run(cfg, seed, corpus, out, command=command, log=log)
       f = rec["final"]
       log(f"{rec['name']}: train {f['train_loss']:.4f}, val"
           f" {f['val_loss']:.4f}, val (whole split) {f['val_loss_full']:.4f},"
           f" {rec['wall_s']:.0f} s")
-    per_seed.append(time.time() - ts)
+    left.remove(seed)
+    return {}
+
+  harness.run_tasks(lambda: left, execute, desc="lm",
+                    describe=lambda seed, _: f"seed {seed} done",
+                    time_budget=args.time_budget, log=log, progress=False)
   return True
 
 

@@ -191,8 +191,8 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
                  str(md)])
   printed = capsys.readouterr().out
   assert printed.startswith("study: 17 runs to do (1 reference, 4 tuning")
-  stages = [line[1:].split(",")[0] for line in printed.splitlines()
-            if line.startswith("[")]
+  stages = [line.split("] ")[1].split()[0] for line in printed.splitlines()
+            if line.startswith("[")]   # "[N planned left] stage name: ..."
   assert len(stages) == 18 and stages[0] == "reference"
   assert max(i for i, st in enumerate(stages) if st == "discovery") < min(
       i for i, st in enumerate(stages) if st == "confirmation")
