@@ -4,6 +4,8 @@ against AdamW, with data scaling, baselines and ablations (paired seeds).
     python -m benchmarks.cifar_patches            # the full protocol, resumable
     python -m benchmarks.cifar_patches --quick    # synthetic images, < 1 minute
     python -m benchmarks.cifar_patches --data PATH --seeds 500-511 --out DIR
+    python -m benchmarks.cifar_patches ... --dry-run   # runs left, hours
+    python -m benchmarks.cifar_patches ... --time-budget 9000  # stops itself
     python -m benchmarks.cifar_patches --report-only --out benchmarks/results/cifar \
         --data PATH --results-md benchmarks/RESULTS.md   # the committed tables
 
@@ -562,6 +564,36 @@ def remaining(bench: Bench, tasks: Sequence[Task]) -> list:
   return out
 
 
+def estimate(bench: Bench, tasks: Sequence[Task]) -> dict:
+  """The plan's unfinished runs (every point of each tuning grid as far as
+  it has widened, every paired run) and their expected wall seconds: the
+  median of the finished runs of the same kind, arm and n, else the median
+  time per training image of every finished run times n."""
+  left = []
+  for task in tasks:
+    if task.kind == "tune" and task.hp is None:
+      left += [t for t in bench.tune_tasks(task.arm) if bench.load(t) is None]
+    elif bench.load(task) is None:
+      left.append(task)
+  per_image = [r["wall_s"] / r["n"] for r in bench._records.values()]
+  fallback = float(np.median(per_image)) if per_image else None
+  secs = [bench.expected_s(t) or (fallback and fallback * t.n) for t in left]
+  return {"tune": sum(t.kind == "tune" for t in left),
+          "run": sum(t.kind == "run" for t in left),
+          "seconds": sum(x or 0.0 for x in secs),
+          "untimed": sum(x is None for x in secs)}
+
+
+def estimate_text(est: dict) -> str:
+  text = (f"to do: {est['tune']} tuning and {est['run']} paired runs,"
+          f" about {est['seconds'] / 3600:.1f} h on this machine (from the"
+          " finished runs' wall times; a tuning grid that widens adds"
+          " more)")
+  if est["untimed"]:
+    text += f"; {est['untimed']} run(s) not timed"
+  return text + "."
+
+
 def describe(task: Task, rec: dict) -> str:
   acc = rec.get("test_acc", rec.get("val_acc"))
   return (f"{task.name}: acc {100 * acc:.2f}%, train loss"
@@ -968,6 +1000,8 @@ def parse_args(argv=None):
       quick_help="synthetic images, tiny model, two arms (< 1 minute)",
       seeds_help="seeds of the adamw and stiefel arms")
   harness.add_time_budget_arg(p)
+  p.add_argument("--dry-run", action="store_true",
+                 help="print the runs left and their expected time, then stop")
   p.add_argument("--other-seeds", type=harness.seeds_type, default=None,
                  help="seeds of the other arms (default"
                       f" {harness.format_seeds(harness.DISCOVERY_SEEDS[:6])})")
@@ -1026,8 +1060,11 @@ def main(argv=None) -> dict:
                 harness.portable(args.hp_from) if args.hp_from else None)
   if not args.report_only:
     tasks = plan(bench, sizes, seeds, other_seeds, arms)
-    print(f"data {data.source} ({data.location or 'in memory'}); {len(tasks)}"
-          f" planned steps; identity {bench.fp}; out {out}", flush=True)
+    print(f"data {data.source} ({data.location or 'in memory'}); identity"
+          f" {bench.fp}; out {out}", flush=True)
+    print(estimate_text(estimate(bench, tasks)), flush=True)
+    if args.dry_run:
+      return {}
     t0 = time.time()
     run_plan(bench, tasks, lambda: report(out, data.source, cfg.to_dict(),
                                           plots=False), args.time_budget)

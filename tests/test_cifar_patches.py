@@ -358,10 +358,16 @@ def test_seeds_identity_and_run_store(tmp_path):
 # ---------------------------------------------------------------- end to end
 
 
-def test_quick_end_to_end_and_resume(tmp_path):
+def test_quick_end_to_end_and_resume(tmp_path, capsys):
   out = tmp_path / "cifar"
   md = tmp_path / "RESULTS.md"
   md.write_text("# Results\n\n## Grokking\n\nother helper's text\n")
+  # --dry-run counts the plan (2 arms x 2 seeds, and each arm's one tuning
+  # point x 1 tuning seed) and trains nothing.
+  assert cp.main(["--quick", "--seeds", "0,1", "--out", str(out),
+                  "--dry-run"]) == {}
+  assert "to do: 2 tuning and 4 paired runs" in capsys.readouterr().out
+  assert not list((out / "runs").glob("*.json"))
   summary = cp.main(["--quick", "--seeds", "0,1", "--out", str(out),
                      "--results-md", str(md)])
   runs = sorted((out / "runs").glob("*.json"))
@@ -385,8 +391,10 @@ def test_quick_end_to_end_and_resume(tmp_path):
   assert "Holm p" in text and "none of these comparisons is a finding" in text
   assert str(tmp_path) not in text
   mtimes = {p: p.stat().st_mtime_ns for p in runs}
+  capsys.readouterr()
   cp.main(["--quick", "--out", str(out)])         # resumes: nothing reruns
   assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
+  assert "to do: 0 tuning and 0 paired runs" in capsys.readouterr().out
   # the report regenerates the same bytes from the raw runs
   before = {f: (out / f).read_bytes() for f in ("summary.json", "table.md")}
   cp.main(["--quick", "--out", str(out), "--report-only", "--results-md", str(md)])
