@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import cifar_data, harness, stats, training
+from benchmarks import cifar_data, harness, stats, study as study_lib, training
 from benchmarks.models import PatchViTConfig, Transformer
 
 REFERENCE_OUT = harness.REFERENCE_ROOT / "cifar"
@@ -317,21 +317,16 @@ def make_eval_fn(model: Transformer, mean, std):
   return accuracy
 
 
-class Task(NamedTuple):
-  kind: str          # "tune" or "run"
-  arm: str
-  seed: int
-  n: int
-  hp: Optional[dict] = None
-
-  @property
-  def name(self) -> str:
-    if self.kind == "tune":
-      return f"tune__{self.arm}__{hp_key(self.hp)}__s{self.seed}"
-    return f"{self.arm}__n{self.n}__s{self.seed}"
-
-
+Task = study_lib.Task
 hp_key = harness.point_key
+
+
+def run_name(task: Task) -> str:
+  """A run's file name: tune__<arm>__<point>__s<seed> for a tuning run,
+  <arm>__n<n>__s<seed> for a paired run."""
+  if task.stage == "tune":
+    return f"tune__{task.arm}__{hp_key(task.point)}__s{task.seed}"
+  return f"{task.arm}__n{task.size}__s{task.seed}"
 
 
 # --------------------------------------------------------------------------
@@ -345,6 +340,33 @@ extend_axes = harness.extend_axes
 def best_point(axes, scores: dict) -> dict:
   """The grid point of highest mean validation accuracy (ties: first)."""
   return harness.best_point(axes, scores, higher_is_better=True)
+
+
+# The order arms run in (`benchmarks.study`): the main arms together, then
+# each other arm, group by group.
+GROUPS = ("main", "competitor", "baseline", "ablation", "eps")
+
+
+def study_arm(arm: Arm) -> study_lib.Arm:
+  return study_lib.Arm(arm.name, arm.grid, arm.tune_from, arm.own_base,
+                       arm.group == "main")
+
+
+def with_dependencies(registry: dict, names: Sequence[str]) -> list:
+  """`names` with the arms they build on (adamw, whose choice every arm's
+  non-Q/K AdamW is; the arm an ablation takes its choice from), in the
+  registry's run order (GROUPS)."""
+  unknown = sorted(set(names) - set(registry))
+  if unknown:
+    raise ValueError(f"unknown arms {unknown}; known: {list(registry)}.")
+  need, todo = set(), ["adamw", *names]
+  while todo:
+    a = todo.pop()
+    if a not in need:
+      need.add(a)
+      todo += [registry[a].tune_from] if registry[a].tune_from else []
+  return [a for g in GROUPS for a in registry
+          if a in need and registry[a].group == g]
 
 
 class Bench:
@@ -374,75 +396,49 @@ class Bench:
     self._records = {}   # name -> record read or written
     (self.out / "runs").mkdir(parents=True, exist_ok=True)
 
+  # the study ---------------------------------------------------------------
+  def study(self, sizes: Sequence[int] = (None,), main_seeds=(),
+            other_seeds=(), arms: Optional[Sequence[str]] = None
+            ) -> study_lib.Study:
+    """The study of `arms` (default: every arm) and the arms they build on,
+    the main ones at each of `sizes` (largest first), the others at the
+    largest; tuned by mean validation accuracy (higher is better)."""
+    names = with_dependencies(self.arms, list(self.arms) if arms is None
+                              else arms)
+    return study_lib.Study(
+        arms=tuple(study_arm(self.arms[a]) for a in names),
+        tune_seeds=self.cfg.tune_seeds, main_seeds=tuple(main_seeds),
+        other_seeds=tuple(other_seeds),
+        sizes=tuple(sorted(sizes, key=lambda n: -1 if n is None else -n)),
+        max_extensions=self.cfg.max_extensions, higher_is_better=True,
+        fixed=tuple((a, dict(hp)) for a, hp in self.inherit.items()))
+
+  def finished(self) -> study_lib.Finished:
+    return study_lib.Finished(self.load, lambda r: r["val_acc"])
+
+  def paired_task(self, arm: str, seed: int, n: int) -> Task:
+    """The paired run of `arm` at (seed, n) at the arm's chosen point."""
+    c = study_lib.choice(self.study(), self.finished(), arm)
+    if c is None:
+      raise RuntimeError(f"{arm}: tuning runs unfinished.")
+    return Task(harness.seed_block(seed), arm, c[0], c[1], seed, n)
+
   # results on disk --------------------------------------------------------
   def load(self, task: Task) -> Optional[dict]:
-    rec = self._records.get(task.name)
+    """The task's finished record, or None: absent, of another identity,
+    or made at other hyperparameters than the task's (stale: the choice,
+    or the adamw choice it trains on, has changed since)."""
+    name = run_name(task)
+    rec = self._records.get(name)
     if rec is None:
-      rec = self.store.load(task.name, self.fp)
+      rec = self.store.load(name, self.fp)
       if rec is None:
         return None
-      self._records[task.name] = rec   # runs change only through `execute`
-    try:   # stale if the chosen hyperparameters have changed since
-      if task.kind == "run" and rec.get("hp") != self.chosen(task.arm):
-        return None
-      if (task.arm != "adamw" and not self.arms[task.arm].own_base
-          and rec.get("base") != self.base()):
-        return None
-    except RuntimeError:
+      self._records[name] = rec   # runs change only through `execute`
+    if rec.get("hp") != dict(task.point) or (
+        task.base and rec.get("base") != dict(task.base)):
       return None
     return rec
-
-  # tuning -----------------------------------------------------------------
-  def tuning(self, arm_name: str) -> harness.Tuning:
-    """The arm's grid with its edges widened as far as the finished tuning
-    runs call for (at most cfg.max_extensions times), its scores and
-    whether every run of it has finished (`harness.tuned_axes`)."""
-    return harness.tuned_axes(self.arms[arm_name].grid,
-                              lambda axes: self.scores(arm_name, axes),
-                              self.cfg.max_extensions)
-
-  def scores(self, arm_name: str, axes) -> Optional[dict]:
-    """{hp_key: mean validation accuracy over the tuning seeds}, or None
-    while a run is unfinished."""
-    out = {}
-    for hp in grid_points(axes):
-      recs = [self.load(Task("tune", arm_name, s, len(self.pool), hp))
-              for s in self.cfg.tune_seeds]
-      if any(r is None for r in recs):
-        return None
-      out[hp_key(hp)] = float(np.mean([r["val_acc"] for r in recs]))
-    return out
-
-  def chosen(self, arm_name: str) -> dict:
-    """The arm's chosen hyperparameters: best mean validation accuracy over
-    its (extended) grid, or inherited."""
-    if arm_name in self.inherit:
-      return dict(self.inherit[arm_name])
-    arm = self.arms[arm_name]
-    if arm.grid is None:
-      return self.chosen(arm.tune_from)
-    if not arm.grid:
-      return {}
-    tuning = self.tuning(arm_name)
-    if not tuning.finished:
-      raise RuntimeError(f"{arm_name}: tuning runs unfinished.")
-    return best_point(tuning.axes, tuning.scores)
-
-  def base(self) -> dict:
-    """The non-Q/K AdamW of every arm: the adamw arm's chosen lr and weight
-    decay."""
-    hp = self.chosen("adamw")
-    return {k: hp[k] for k in BASE_KEYS}
-
-  def tune_tasks(self, arm_name: str) -> list:
-    """The tuning runs of the arm's current grid (finished or not): run
-    them, then ask again, until the grid stops growing."""
-    arm = self.arms[arm_name]
-    if not arm.grid or arm_name in self.inherit:
-      return []
-    return [Task("tune", arm_name, s, len(self.pool), hp)
-            for hp in grid_points(self.tuning(arm_name).axes)
-            for s in self.cfg.tune_seeds]
 
   # one run ----------------------------------------------------------------
   def epoch_fn(self, arm: Arm, hp: dict, base: dict, n: int):
@@ -465,22 +461,27 @@ class Bench:
                                                  self.std)
     return self._accuracy[arm.qk_norm]
 
+  def size(self, task: Task) -> int:
+    """Training images: the tuning split's for a tuning run."""
+    return len(self.pool) if task.stage == "tune" else task.size
+
   def execute(self, task: Task) -> dict:
-    """Trains one (arm, seed, n) or one tuning point and writes its JSON."""
+    """Trains one paired run or one tuning point and writes its JSON."""
     done = self.load(task)
     if done is not None:
       return done
     arm, cfg = self.arms[task.arm], self.cfg
-    tuning = task.kind == "tune"
-    hp = dict(task.hp) if tuning else self.chosen(task.arm)
-    base = ({k: hp[k] for k in BASE_KEYS} if task.arm == "adamw" or arm.own_base
-            else self.base())
+    tuning = task.stage == "tune"
+    hp = dict(task.point)
+    # adamw and the whole-model AdamW recipes set their own non-Q/K AdamW
+    base = dict(task.base) or {k: hp[k] for k in BASE_KEYS}
+    n = self.size(task)
     pool = self.pool if tuning else self.all_train
     ex, ey = ((self.x[self.val], self.y[self.val]) if tuning
               else (self.x_test, self.y_test))
     t0 = time.time()
-    idx = seed_stream(task.seed, pool, task.n, cfg)
-    tx, epoch = self.epoch_fn(arm, hp, base, task.n)
+    idx = seed_stream(task.seed, pool, n, cfg)
+    tx, epoch = self.epoch_fn(arm, hp, base, n)
     params = init_params(self.model_of(arm), arm, task.seed)
     start = params
     opt_state = tx.init(params)
@@ -493,7 +494,8 @@ class Bench:
     iso = float(so.max_isometry_error(params, frames_of(arm.per_head)))
     move = so.frame_movement(start, params, frames_of(arm.per_head))
     rec = {
-        "kind": task.kind, "arm": task.arm, "seed": task.seed, "n": task.n,
+        "kind": "tune" if tuning else "run", "arm": task.arm,
+        "seed": task.seed, "n": n,
         "hp": hp, "base": base, "fixed": dict(arm.fixed),
         "hp_from": (self.inherit_from if task.arm in self.inherit and not tuning
                     else None),
@@ -508,78 +510,44 @@ class Bench:
         "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "machine": harness.machine(),
     }
-    self.store.save(task.name, rec)
-    self._records[task.name] = rec
+    self.store.save(run_name(task), rec)
+    self._records[run_name(task)] = rec
     return rec
 
   def expected_s(self, task: Task) -> Optional[float]:
     """The median wall time of the runs read or made of the task's kind,
     arm and n (None if there are none)."""
+    kind, n = ("tune" if task.stage == "tune" else "run"), self.size(task)
     walls = [r["wall_s"] for r in self._records.values()
-             if (r["kind"], r["arm"], r["n"]) == (task.kind, task.arm, task.n)]
+             if (r["kind"], r["arm"], r["n"]) == (kind, task.arm, n)]
     return float(np.median(walls)) if walls else None
 
 
 # --------------------------------------------------------------------------
-# The plan: most important results first.
+# The plan (`benchmarks.study`): most important results first.
 
 
-def plan(bench: Bench, sizes: Sequence[int], main_seeds: Sequence[int],
-         other_seeds: Sequence[int], arms: Sequence[str]) -> list:
-  """Tuning (Task("tune", arm) with hp None: the whole, growing grid), then
-  the main arms (adamw, stiefel, rsgd) at each n: discovery seeds before
-  confirmation seeds, largest n first, arms interleaved; then the
-  baselines, ablations and eps sweep at the largest n."""
-  unknown = sorted(set(arms) - set(bench.arms))
-  if unknown:
-    raise ValueError(f"unknown arms {unknown}; known: {list(bench.arms)}.")
-  arms = [a for a in bench.arms if a in arms]
-  main = [a for a in arms if bench.arms[a].group == "main"]
-  tasks = [Task("tune", a, -1, len(bench.pool)) for a in main]
-  blocks = sorted({harness.seed_block(s) for s in main_seeds})
-  for block in blocks:
-    for n in sorted(sizes, reverse=True):
-      for s in (s for s in main_seeds if harness.seed_block(s) == block):
-        tasks += [Task("run", a, s, n) for a in main]
-  for group in ("competitor", "baseline", "ablation", "eps"):
-    for a in (a for a in arms if bench.arms[a].group == group):
-      tasks += [Task("tune", a, -1, len(bench.pool))]
-      tasks += [Task("run", a, s, max(sizes)) for s in other_seeds]
-  return tasks
+def remaining(bench: Bench, study: study_lib.Study) -> list:
+  """The study's unfinished runs, in order: the main arms' tuning (each
+  grid extended until its best point is interior), their paired runs at
+  each n (largest first), discovery seeds before confirmation seeds; then
+  the competitors, the baseline, the ablations and the eps sweep at the
+  largest n. It ends at the first tuning with runs left."""
+  return study_lib.remaining(study, bench.finished())
 
 
-def remaining(bench: Bench, tasks: Sequence[Task]) -> list:
-  """The plan's unfinished runs, in order: a tuning marker (hp None)
-  stands for its arm's current grid, and the list ends after the first
-  grid with runs left (what follows may wait on its choice; once they are
-  done the grid may widen)."""
-  out = []
-  for task in tasks:
-    if task.kind == "tune" and task.hp is None:
-      todo = [t for t in bench.tune_tasks(task.arm) if bench.load(t) is None]
-      if todo:
-        return out + todo
-    elif bench.load(task) is None:
-      out.append(task)
-  return out
-
-
-def estimate(bench: Bench, tasks: Sequence[Task]) -> dict:
-  """The plan's unfinished runs (every point of each tuning grid as far as
-  it has widened, every paired run) and their expected wall seconds: the
-  median of the finished runs of the same kind, arm and n, else the median
-  time per training image of every finished run times n."""
-  left = []
-  for task in tasks:
-    if task.kind == "tune" and task.hp is None:
-      left += [t for t in bench.tune_tasks(task.arm) if bench.load(t) is None]
-    elif bench.load(task) is None:
-      left.append(task)
+def estimate(bench: Bench, study: study_lib.Study) -> dict:
+  """The study's unfinished runs (every point of each tuning grid as far
+  as it has widened, every paired run) and their expected wall seconds:
+  the median of the finished runs of the same kind, arm and n, else the
+  median time per training image of every finished run times n."""
+  left = study_lib.remaining(study, bench.finished(), assume=True)
   per_image = [r["wall_s"] / r["n"] for r in bench._records.values()]
   fallback = float(np.median(per_image)) if per_image else None
-  secs = [bench.expected_s(t) or (fallback and fallback * t.n) for t in left]
-  return {"tune": sum(t.kind == "tune" for t in left),
-          "run": sum(t.kind == "run" for t in left),
+  secs = [bench.expected_s(t) or (fallback and fallback * bench.size(t))
+          for t in left]
+  return {"tune": sum(t.stage == "tune" for t in left),
+          "run": sum(t.stage != "tune" for t in left),
           "seconds": sum(x or 0.0 for x in secs),
           "untimed": sum(x is None for x in secs)}
 
@@ -588,7 +556,7 @@ def estimate_text(est: dict) -> str:
   text = (f"to do: {est['tune']} tuning and {est['run']} paired runs,"
           f" about {est['seconds'] / 3600:.1f} h on this machine (from the"
           " finished runs' wall times; a tuning grid that widens adds"
-          " more)")
+          " more; runs waiting on a choice counted at its grid's centre)")
   if est["untimed"]:
     text += f"; {est['untimed']} run(s) not timed"
   return text + "."
@@ -596,20 +564,20 @@ def estimate_text(est: dict) -> str:
 
 def describe(task: Task, rec: dict) -> str:
   acc = rec.get("test_acc", rec.get("val_acc"))
-  return (f"{task.name}: acc {100 * acc:.2f}%, train loss"
+  return (f"{run_name(task)}: acc {100 * acc:.2f}%, train loss"
           f" {rec['train_loss'][-1]:.3f}, {rec['wall_s']:.1f}s")
 
 
-def run_plan(bench: Bench, tasks: Sequence[Task], report_fn=None,
+def run_plan(bench: Bench, study: study_lib.Study, report_fn=None,
              time_budget: float = 0.0) -> int:
-  """Runs the plan's unfinished runs in order (`harness.run_tasks`), a
-  tuning grid extended until its best point is interior; report_fn()
-  after each paired run. Returns the number of runs made."""
+  """Runs the study's unfinished runs in order (`harness.run_tasks`: the
+  plan asked anew after each run); report_fn() after each paired run.
+  Returns the number of runs made."""
   def after(task, _):
-    if task.kind == "run" and report_fn:   # the tables so far
+    if task.stage != "tune" and report_fn:   # the tables so far
       report_fn()
 
-  return harness.run_tasks(lambda: remaining(bench, tasks), bench.execute,
+  return harness.run_tasks(lambda: remaining(bench, study), bench.execute,
                            desc="cifar", describe=describe, after=after,
                            expected_s=bench.expected_s,
                            time_budget=time_budget)
@@ -1015,7 +983,10 @@ def parse_args(argv=None):
                       " if missing")
   p.add_argument("--sizes", type=int, nargs="*", default=None,
                  help="training-set sizes n (default 1000 4000 all)")
-  p.add_argument("--arms", nargs="*", default=None, help=f"subset of {list(ARMS)}")
+  p.add_argument("--arms", nargs="*", default=None,
+                 help=f"subset of {list(ARMS)}; the arms they build on"
+                      " (adamw, and the arm an ablation takes its choice"
+                      " from) join them")
   p.add_argument("--epochs", type=int, default=None)
   p.add_argument("--dim", type=int, default=None, help="model width d")
   p.add_argument("--heads", type=int, default=None)
@@ -1059,14 +1030,14 @@ def main(argv=None) -> dict:
   bench = Bench(data, cfg, out, registry, inherit,
                 harness.portable(args.hp_from) if args.hp_from else None)
   if not args.report_only:
-    tasks = plan(bench, sizes, seeds, other_seeds, arms)
+    study = bench.study(sizes, seeds, other_seeds, arms)
     print(f"data {data.source} ({data.location or 'in memory'}); identity"
           f" {bench.fp}; out {out}", flush=True)
-    print(estimate_text(estimate(bench, tasks)), flush=True)
+    print(estimate_text(estimate(bench, study)), flush=True)
     if args.dry_run:
       return {}
     t0 = time.time()
-    run_plan(bench, tasks, lambda: report(out, data.source, cfg.to_dict(),
+    run_plan(bench, study, lambda: report(out, data.source, cfg.to_dict(),
                                           plots=False), args.time_budget)
     print(f"sweep wall time {time.time() - t0:.0f}s", flush=True)
   # --report-only reports the folder's runs under their own configuration

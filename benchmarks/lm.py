@@ -132,7 +132,7 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import harness, stats, training
+from benchmarks import harness, stats, study as study_lib, training
 from benchmarks.models import GPT
 
 SECTION = "## Language model"
@@ -907,7 +907,7 @@ LR_FLOOR = 10
 # 3 half-decade points per hyperparameter, for every arm (fair tuning).
 ADAMW_GRID = (("learning_rate", (1e-3, 3e-3, 1e-2)),
               ("weight_decay", (0.03, 0.1, 0.3)))
-STAGES = ("reference", "tune", "discovery", "confirmation")
+STAGES = ("reference",) + study_lib.STAGES
 AXIS_LABELS = {"learning_rate": "lr", "weight_decay": "wd",
                "stiefel_learning_rate": "Q/K lr", "max_step_norm": "cap",
                "rsgd_learning_rate": "Q/K lr",
@@ -948,6 +948,17 @@ class Study:
 
   def seeds(self, arm: str) -> tuple:
     return self.main_seeds if arm in self.main_arms else self.other_seeds
+
+  def plan(self) -> study_lib.Study:
+    """The arms, seeds and tuning rule as the shared study plans them
+    (validation loss: lower is better)."""
+    return study_lib.Study(
+        arms=tuple(study_lib.Arm(a, axes, own_base=a in OWN_ADAMW,
+                                 main=a in self.main_arms)
+                   for a, axes in self.grids),
+        tune_seeds=self.tune_seeds, main_seeds=self.main_seeds,
+        other_seeds=self.other_seeds, max_extensions=self.max_extensions,
+        higher_is_better=False)
 
 
 # The study at nanoGPT's CPU config. Tuning on the 500-iteration schedule
@@ -1039,27 +1050,34 @@ def reference_config(study: Study) -> Config:
   return dataclasses.replace(study.base, arm="adamw")
 
 
-def centre(axes) -> dict:
-  """The middle point of a grid (what an estimate assumes before tuning)."""
-  return {name: vals[len(vals) // 2] for name, vals in axes}
+centre = study_lib.centre
+
+
+def task_config(study: Study, task: study_lib.Task) -> Config:
+  """The configuration of a planned run: the reference as it is, a tuning
+  run on the tuning schedule, a paired run on the base's."""
+  if task.stage == "reference":
+    return reference_config(study)
+  iters = study.tune_iters if task.stage == "tune" else study.base.max_iters
+  return point_config(study.base, task.arm, {**task.base, **task.point},
+                      iters)
+
+
+def finished(study: Study, done: Mapping, data_id: str) -> study_lib.Finished:
+  """The finished runs `done` ({name: record}) as the shared study reads
+  them, scored by the whole-split validation loss."""
+  return study_lib.Finished(
+      record=lambda t: done.get(run_name(task_config(study, t), t.seed,
+                                         data_id)),
+      score=lambda r: r["final"]["val_loss_full"])
 
 
 def tuning(study: Study, arm: str, base: Mapping, done: Mapping,
            data_id: str) -> harness.Tuning:
   """The arm's tuning grid (on top of the non-Q/K AdamW hp `base`), widened
   as far as the finished runs in `done` call for."""
-  def scores_of(axes):
-    out = {}
-    for p in harness.grid_points(axes):
-      cfg = point_config(study.base, arm, {**base, **p}, study.tune_iters)
-      recs = [done.get(run_name(cfg, s, data_id)) for s in study.tune_seeds]
-      if any(r is None for r in recs):
-        return None
-      out[harness.point_key(p)] = mean([r["final"]["val_loss_full"]
-                                        for r in recs])
-    return out
-  return harness.tuned_axes(study.axes(arm), scores_of, study.max_extensions,
-                            higher_is_better=False)
+  return study_lib.tuning(study.plan(), finished(study, done, data_id), arm,
+                          base)
 
 
 def arm_base(study: Study, arm: str, done: Mapping, data_id: str,
@@ -1067,10 +1085,8 @@ def arm_base(study: Study, arm: str, done: Mapping, data_id: str,
   """The non-Q/K AdamW hyperparameters of an arm's runs: {} for the AdamW
   recipes (their grid sets them), else adamw's chosen point (None until
   adamw's tuning is finished)."""
-  if arm in OWN_ADAMW:
-    return {}
-  c = choice(study, "adamw", done, data_id, assume)
-  return None if c is None else dict(c[0])
+  return study_lib.base_of(study.plan(), finished(study, done, data_id), arm,
+                           assume)
 
 
 def choice(study: Study, arm: str, done: Mapping, data_id: str,
@@ -1078,73 +1094,27 @@ def choice(study: Study, arm: str, done: Mapping, data_id: str,
   """(point, base): the arm's best tuning point and its non-Q/K AdamW hp,
   or None while its tuning (or adamw's, on which it builds) is unfinished;
   with assume, the centre of the current grid stands in (estimates only)."""
-  base = arm_base(study, arm, done, data_id, assume)
-  if base is None:
-    return None
-  t = tuning(study, arm, base, done, data_id)
-  if t.finished:
-    return harness.best_point(t.axes, t.scores, higher_is_better=False), base
-  return (centre(t.axes), base) if assume else None
+  return study_lib.choice(study.plan(), finished(study, done, data_id), arm,
+                          assume)
 
 
 def plan(study: Study, done: Mapping, data_id: str,
          assume: bool = False) -> list:
   """Every run of the study that the finished runs `done` let us name, in
-  the order to run them: the nanoGPT reference; the main arms' tuning
-  (adamw first: the others build on its choice); their discovery seeds;
-  the other arms' tuning and discovery seeds; then every confirmation seed
-  (seed-major, so a stopped study leaves whole pairs, and the discovery
-  table is complete before any confirmation seed runs). The list stops at
-  the first tuning that is unfinished (run its runs, then ask again: the
-  grid may widen); with assume, grid centres stand in for the choices not
-  yet made, and the whole study is listed (for estimates). A run two
-  stages name (the tuned adamw at nanoGPT's point is the reference) is
-  listed once, at the first."""
-  seen = set()
-  return [t for t in stages(study, done, data_id, assume)
-          if not ((n := task_name(t, data_id)) in seen or seen.add(n))]
-
-
-def stages(study: Study, done: Mapping, data_id: str, assume: bool) -> list:
-  """The plan's runs, stage by stage (see `plan`)."""
-  tasks = [Task("reference", "adamw", reference_config(study), s)
-           for s in study.reference_seeds]
-  paired = {}
-
-  def block_seeds(arms, block):
-    return sorted({s for a in arms for s in study.seeds(a)
-                   if harness.seed_block(s) == block})
-
-  def seed_major(arms, block, stage):
-    return [Task(stage, a, paired[a][0], s, paired[a][1])
-            for s in block_seeds(arms, block) for a in arms
-            if s in study.seeds(a)]
-
-  main = [a for a in study.arms if a in study.main_arms]
-  rest = [a for a in study.arms if a not in study.main_arms]
-  for arms in (main, rest):
-    for arm in arms:
-      base = arm_base(study, arm, done, data_id, assume)
-      if base is None:
-        return tasks
-      t = tuning(study, arm, base, done, data_id)
-      # Provisional: built on a choice assumed, not made (estimates only).
-      base_guessed = arm not in OWN_ADAMW and choice(
-          study, "adamw", done, data_id) is None
-      tasks += [Task("tune", arm, point_config(study.base, arm, {**base, **p},
-                                               study.tune_iters), s,
-                     base_guessed)
-                for p in harness.grid_points(t.axes)
-                for s in study.tune_seeds]
-      if not t.finished and not assume:
-        return tasks
-      point = (harness.best_point(t.axes, t.scores, higher_is_better=False)
-               if t.finished else centre(t.axes))
-      paired[arm] = (point_config(study.base, arm, {**base, **point},
-                                  study.base.max_iters),
-                     base_guessed or not t.finished)
-    tasks += seed_major(arms, "discovery", "discovery")
-  return tasks + seed_major(study.arms, "confirmation", "confirmation")
+  the order to run them (`benchmarks.study`): the nanoGPT reference; the
+  main arms' tuning (adamw first: the others build on its choice), their
+  discovery seeds, then their confirmation seeds; then each other arm's
+  tuning, discovery and confirmation seeds. The list stops at the first
+  tuning that is unfinished; with assume, grid centres stand in for the
+  choices not yet made, and the whole study is listed (for estimates). A
+  run two stages name (the tuned adamw at nanoGPT's point is the
+  reference) is listed once, at the first."""
+  reference = [study_lib.Task("reference", "adamw", {}, {}, s)
+               for s in study.reference_seeds]
+  name = lambda t: run_name(task_config(study, t), t.seed, data_id)
+  return [Task(t.stage, t.arm, task_config(study, t), t.seed, t.provisional)
+          for t in study_lib.plan(study.plan(), finished(study, done, data_id),
+                                  assume, reference, name)]
 
 
 def task_name(task: Task, data_id: str) -> str:

@@ -163,6 +163,16 @@ def test_recipes_keep_frames_orthonormal(name):
   assert (moved == 0.0) == (name == "frozen")
 
 
+def test_an_arm_brings_the_arms_it_builds_on():
+  # every arm trains on adamw's choice; an ablation takes stiefel's
+  assert cp.with_dependencies(cp.ARMS, ["no_cap"]) == [
+      "adamw", "stiefel", "no_cap"]
+  assert cp.with_dependencies(cp.ARMS, ["eps_0.1", "rsgd", "adamw"]) == [
+      "adamw", "stiefel", "rsgd", "eps_0.1"]
+  with pytest.raises(ValueError, match="unknown arms"):
+    cp.with_dependencies(cp.ARMS, ["sgd"])
+
+
 def test_competitor_arms_train(tmp_path):
   """stiefel_muon, muon, qk_norm and orthogonal_init train a quick model:
   the manifold arm ends orthonormal, the AdamW recipes start where they
@@ -175,7 +185,8 @@ def test_competitor_arms_train(tmp_path):
              "qk_norm": {"lr": 1e-2, "weight_decay": 0.01},
              "orthogonal_init": {"lr": 1e-2, "weight_decay": 0.01}}
   bench = cp.Bench(data, cfg, tmp_path, cp.ARMS, inherit)
-  recs = {a: bench.execute(cp.Task("run", a, 0, 384)) for a in inherit if a != "adamw"}
+  recs = {a: bench.execute(bench.paired_task(a, 0, 384)) for a in inherit
+          if a != "adamw"}
   assert all(np.isfinite(r["test_acc"]) for r in recs.values())
   assert recs["stiefel_muon"]["qk_isometry_error"] < 1e-4
   assert recs["stiefel_muon"]["base"] == inherit["adamw"]

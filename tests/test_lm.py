@@ -191,11 +191,20 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
                  str(md)])
   printed = capsys.readouterr().out
   assert printed.startswith("study: 17 runs to do (1 reference, 4 tuning")
-  stages = [line.split("] ")[1].split()[0] for line in printed.splitlines()
-            if line.startswith("[")]   # "[N planned left] stage name: ..."
+  runs = [line.split("] ")[1].split()[:2] for line in printed.splitlines()
+          if line.startswith("[")]   # "[N planned left] stage name: ..."
+  stages = [st for st, _ in runs]
   assert len(stages) == 18 and stages[0] == "reference"
-  assert max(i for i, st in enumerate(stages) if st == "discovery") < min(
-      i for i, st in enumerate(stages) if st == "confirmation")
+  for arms in (("adamw", "stiefel"), ("orthogonal_init",)):
+    at = lambda stage, arms=arms: [i for i, (st, name) in enumerate(runs)
+                                   if st == stage
+                                   and name.split("_seed")[0] in arms]
+    assert max(at("tune")) < min(at("discovery"))
+    assert max(at("discovery")) < min(at("confirmation"))
+  assert max(i for i, (st, name) in enumerate(runs) if st != "reference"
+             and not name.startswith("orthogonal_init")) < min(
+                 i for i, (_, name) in enumerate(runs)
+                 if name.startswith("orthogonal_init"))
   s = rep["study"]
   assert s["done"] == s["planned"] == 18 and s["complete"]
   # adamw's 2-point grid: its best is on an edge, so it is widened once
@@ -308,7 +317,8 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   half-decade points per hyperparameter, 3 tuning seeds outside the
   discovery and confirmation seeds, 500-iteration tuning, adamw and
   stiefel at 8 + 8 seeds and the others at 6 + 6, discovery before
-  confirmation, the non-Q/K AdamW at adamw's choice; the committed runs'
+  confirmation (the main arms' pairs before the others' tuning), the
+  non-Q/K AdamW at adamw's choice; the committed runs'
   names (their identity) unchanged; and the time estimate."""
   st, data = lm.STUDY, lm.study_data([])
   for _, axes in st.grids:
@@ -330,8 +340,16 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   assert [count(x) for x in lm.STAGES] == [4, 135, 46, 46]
   assert all(t.cfg.max_iters == t.cfg.lr_decay_iters == 500
              for t in whole if t.stage == "tune")
-  last_disc = max(i for i, t in enumerate(whole) if t.stage == "discovery")
-  assert all(t.stage == "confirmation" for t in whole[last_disc + 1:])
+  # per group (the main arms together, then each other arm): its tuning,
+  # its discovery seeds, its confirmation seeds; the main arms first
+  groups = [st.main_arms] + [(a,) for a in st.arms if a not in st.main_arms]
+  for arms in groups:
+    at = lambda stage, arms=arms: [i for i, t in enumerate(whole)
+                                   if t.arm in arms and t.stage == stage]
+    assert max(at("tune")) < min(at("discovery"))
+    assert max(at("discovery")) < min(at("confirmation"))
+  main_end = max(i for i, t in enumerate(whole) if t.arm in st.main_arms)
+  assert all(t.arm not in st.main_arms for t in whole[main_end + 1:])
   for arm in st.arms:
     paired = sorted(t.seed for t in whole
                     if t.arm == arm and t.stage in ("discovery",
@@ -356,7 +374,8 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   assert all(t.cfg.learning_rate == 0.0333 and t.cfg.min_lr == 0.00333
              for t in tuned)
   assert {t.stage for t in lm.remaining(st, done, data)} == {
-      "reference", "discovery", "tune"}   # main discovery, then the others
+      "reference", "discovery", "confirmation", "tune"}   # main pairs, then
+  # the next arm's tuning
   # with adamw at nanoGPT's (1e-3, 0.1) and stiefel at (0.3, 0.3), the
   # committed runs are the study's
   near = lambda c: (ll(c.learning_rate) + 3) ** 2 + (

@@ -1,0 +1,232 @@
+"""The study every benchmark runs: fair tuning on validation, then paired
+seeds, planned from the finished runs (so it resumes anywhere).
+
+A `Study` names its arms, its tuning seeds, its paired seeds and the sizes
+its main arms run at; an experiment says how to find a finished run and
+how to score one (`Finished`). This module decides the rest, the same way
+for the CIFAR and the language-model benchmarks:
+
+- **Tuning.** An arm's grid is a product of axes ((name, values), ...). A
+  point's score is the mean over the tuning seeds of the experiment's
+  validation score; the best point is chosen (ties: the first), and an
+  axis whose best value lies on its edge is widened by one geometric step,
+  at most `max_extensions` times, until the best is interior
+  (`harness.tuned_axes`). The base arm (AdamW) is tuned first: its choice
+  is the non-Q/K AdamW (`Task.base`) of every arm that does not set its own
+  (`Arm.own_base`, e.g. a whole-model AdamW recipe).
+- **Plan.** The main arms' tuning, then their paired runs: at each size in
+  order, discovery seeds before confirmation seeds (the seeds of
+  `harness.seed_block`, fixed before any run), seed-major so that a
+  stopped study leaves whole pairs; then each other arm in turn: its
+  tuning, then its paired runs at the first size. The plan stops at the
+  first tuning with runs left (run those, then ask again: the grid may
+  widen); with `assume` (estimates only) a grid's centre stands in for a
+  choice not yet made, and the whole study is listed, the runs that rest
+  on such a guess marked provisional.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, NamedTuple, Optional
+
+import numpy as np
+
+from benchmarks import harness
+
+STAGES = ("tune", "discovery", "confirmation")
+
+
+class Arm(NamedTuple):
+  """An arm as the plan sees it.
+
+  axes: its tuning grid; () when it has nothing to tune; None when it takes
+  the choice of `tune_from` (an ablation at the tuned setting). own_base:
+  its grid sets its non-Q/K AdamW itself. main: run at every size and
+  tuned first.
+  """
+  name: str
+  axes: Optional[tuple] = ()
+  tune_from: Optional[str] = None
+  own_base: bool = False
+  main: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """arms: in run order. main_seeds / other_seeds: the paired seeds of the
+  main and the other arms (discovery and confirmation seeds alike).
+  sizes: the main arms' paired runs run at each (in order; None: the
+  experiment has one size), the others at the first. fixed: ((arm, point),
+  ...) chosen elsewhere, not tuned."""
+  arms: tuple
+  tune_seeds: tuple
+  main_seeds: tuple
+  other_seeds: tuple
+  sizes: tuple = (None,)
+  base_arm: str = "adamw"
+  max_extensions: int = 3
+  higher_is_better: bool = True
+  fixed: tuple = ()
+
+  @property
+  def names(self) -> tuple:
+    return tuple(a.name for a in self.arms)
+
+  def arm(self, name: str) -> Arm:
+    return next(a for a in self.arms if a.name == name)
+
+  def seeds(self, name: str) -> tuple:
+    return self.main_seeds if self.arm(name).main else self.other_seeds
+
+
+class Task(NamedTuple):
+  """One run: its stage (STAGES, or an experiment's own), arm, the arm's
+  hyperparameters (point), the non-Q/K AdamW it trains on (base: {} for
+  the base arm and the arms that set their own), seed and size (None for
+  tuning runs, which train on the tuning split)."""
+  stage: str
+  arm: str
+  point: Mapping
+  base: Mapping
+  seed: int
+  size: Optional[int] = None
+  provisional: bool = False
+
+
+class Finished(NamedTuple):
+  """How a study reads the finished runs: record(task) is the run's record
+  (None while it is not finished under this identity); score(record) its
+  validation score."""
+  record: Callable[[Task], Optional[dict]]
+  score: Callable[[dict], float]
+
+
+def centre(axes) -> dict:
+  """The middle point of a grid (what an estimate assumes before tuning)."""
+  return {name: vals[len(vals) // 2] for name, vals in axes}
+
+
+def tune_task(arm: str, point: Mapping, base: Mapping, seed: int,
+              provisional: bool = False) -> Task:
+  return Task("tune", arm, dict(point), dict(base), seed, None, provisional)
+
+
+def tuning(study: Study, runs: Finished, arm: str,
+           base: Mapping) -> harness.Tuning:
+  """The arm's grid (on top of the non-Q/K AdamW `base`), widened as far as
+  its finished runs call for, with their mean scores."""
+  def scores_of(axes):
+    out = {}
+    for p in harness.grid_points(axes):
+      recs = [runs.record(tune_task(arm, p, base, s))
+              for s in study.tune_seeds]
+      if any(r is None for r in recs):
+        return None
+      out[harness.point_key(p)] = float(np.mean([runs.score(r)
+                                                 for r in recs]))
+    return out
+  return harness.tuned_axes(study.arm(arm).axes, scores_of,
+                            study.max_extensions, study.higher_is_better)
+
+
+def base_of(study: Study, runs: Finished, arm: str,
+            assume: bool = False) -> Optional[dict]:
+  """The non-Q/K AdamW of the arm's runs: {} for the base arm and the arms
+  that set their own, else the base arm's choice (None until it is made)."""
+  if arm == study.base_arm or study.arm(arm).own_base:
+    return {}
+  c = choice(study, runs, study.base_arm, assume)
+  return None if c is None else dict(c[0])
+
+
+def choice(study: Study, runs: Finished, arm: str,
+           assume: bool = False) -> Optional[tuple]:
+  """(point, base): the arm's chosen hyperparameters and its non-Q/K AdamW,
+  or None while its tuning (or one it builds on) is unfinished; with
+  assume, the centre of the current grid stands in (estimates only)."""
+  base = base_of(study, runs, arm, assume)
+  if base is None:
+    return None
+  fixed = dict(study.fixed)
+  a = study.arm(arm)
+  if arm in fixed:
+    return dict(fixed[arm]), base
+  if a.axes is None:
+    c = choice(study, runs, a.tune_from, assume)
+    return None if c is None else (c[0], base)
+  if not a.axes:
+    return {}, base
+  t = tuning(study, runs, arm, base)
+  if t.finished:
+    return harness.best_point(t.axes, t.scores, study.higher_is_better), base
+  return (centre(t.axes), base) if assume else None
+
+
+def _tuned(study: Study, runs: Finished, arm: str, assume: bool):
+  """(tuning tasks of the arm's current grid, (point, base, provisional)
+  of its paired runs or None while unchosen)."""
+  a, fixed = study.arm(arm), dict(study.fixed)
+  base = base_of(study, runs, arm, assume)
+  if base is None:
+    return [], None
+  guessed = (arm != study.base_arm and not a.own_base
+             and choice(study, runs, study.base_arm) is None)
+  if arm in fixed or not a.axes:
+    c = choice(study, runs, arm, assume)
+    late = c is not None and choice(study, runs, arm) is None
+    return [], None if c is None else (c[0], c[1], guessed or late)
+  t = tuning(study, runs, arm, base)
+  tasks = [tune_task(arm, p, base, s, guessed)
+           for p in harness.grid_points(t.axes) for s in study.tune_seeds]
+  if t.finished:
+    point = harness.best_point(t.axes, t.scores, study.higher_is_better)
+  elif assume:
+    point = centre(t.axes)
+  else:
+    return tasks, None
+  return tasks, (point, base, guessed or not t.finished)
+
+
+def stages(study: Study, runs: Finished, assume: bool = False) -> list:
+  """Every run the finished runs let us name, in the order of the plan
+  (see the module's docstring)."""
+  tasks = []
+  main = [a.name for a in study.arms if a.main]
+  groups = [(main, study.sizes)] + [([a.name], study.sizes[:1])
+                                     for a in study.arms if not a.main]
+  for arms, sizes in groups:
+    chosen = {}
+    for arm in arms:
+      tune, c = _tuned(study, runs, arm, assume)
+      tasks += tune
+      if c is None:
+        return tasks
+      chosen[arm] = c
+    for block in ("discovery", "confirmation"):
+      for size in sizes:
+        seeds = sorted({s for a in arms for s in study.seeds(a)
+                        if harness.seed_block(s) == block})
+        tasks += [Task(block, a, chosen[a][0], chosen[a][1], s, size,
+                       chosen[a][2])
+                  for s in seeds for a in arms if s in study.seeds(a)]
+  return tasks
+
+
+def plan(study: Study, runs: Finished, assume: bool = False, first=(),
+         name: Optional[Callable[[Task], str]] = None) -> list:
+  """`first` (an experiment's own runs, e.g. an external reference), then
+  the study's `stages`; a run named twice (by `name`) is listed once, at
+  the first."""
+  tasks = list(first) + stages(study, runs, assume)
+  if name is None:
+    return tasks
+  seen = set()
+  return [t for t in tasks if not ((n := name(t)) in seen or seen.add(n))]
+
+
+def remaining(study: Study, runs: Finished, assume: bool = False, first=(),
+              name: Optional[Callable[[Task], str]] = None) -> list:
+  """The plan's runs that are not finished."""
+  return [t for t in plan(study, runs, assume, first, name)
+          if runs.record(t) is None]

@@ -1,0 +1,117 @@
+"""The shared study plan (`benchmarks.study`), without training: fake
+finished runs stand in for the experiments' records."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks import harness, study as S
+
+ADAMW = S.Arm("adamw", (("lr", (1e-3, 3e-3, 1e-2)),))
+STIEFEL = S.Arm("stiefel", (("lr", (0.1, 0.3, 1.0)),))
+OWN = S.Arm("own", (("lr", (1e-3, 3e-3, 1e-2)),), own_base=True, main=False)
+ABLATION = S.Arm("ablation", None, tune_from="stiefel", main=False)
+FROZEN = S.Arm("frozen", (), main=False)
+STUDY = S.Study(arms=(ADAMW, STIEFEL, OWN, ABLATION, FROZEN),
+                tune_seeds=(100, 101), main_seeds=(0, 1, 500, 501),
+                other_seeds=(0, 500), sizes=(4000, 1000))
+
+
+def key(t: S.Task):
+  return (t.stage, t.arm, harness.point_key(t.point),
+          harness.point_key(t.base), t.seed, t.size)
+
+
+def finished(done: dict, best: dict) -> S.Finished:
+  """Runs in `done` (by key); a tuning run scores -|log10(lr / best)|."""
+  def record(t):
+    return done.get(key(t))
+  def score(r):
+    return -abs(math.log10(r["lr"] / best[r["arm"]]))
+  return S.Finished(record, score)
+
+
+def run_all(study, best):
+  """Runs the plan to its end, as a runner does: the first unfinished run,
+  then the plan asked anew. Returns the runs in the order made."""
+  done, order = {}, []
+  while left := S.remaining(study, finished(done, best)):
+    t = left[0]
+    done[key(t)] = {"arm": t.arm, "lr": t.point.get("lr", 1.0)}
+    order.append(t)
+  return order, finished(done, best)
+
+
+def test_plan_tunes_then_pairs_main_arms_before_the_others():
+  order, runs = run_all(STUDY, {"adamw": 3e-3, "stiefel": 0.3, "own": 2e-3})
+  stages = [(t.stage, t.arm) for t in order]
+  # the main arms: adamw's grid, stiefel's on adamw's choice, then pairs at
+  # each size, discovery seeds before confirmation seeds, seed-major
+  assert stages[:12] == [("tune", "adamw")] * 6 + [("tune", "stiefel")] * 6
+  main = [(t.stage, t.seed, t.size, t.arm) for t in order[12:28]]
+  assert main == [(b, s, n, a) for b, seeds in (("discovery", (0, 1)),
+                                                ("confirmation", (500, 501)))
+                  for n in (4000, 1000) for s in seeds
+                  for a in ("adamw", "stiefel")]
+  # then each other arm: its own tuning, then its pairs at the first size
+  rest = [(t.stage, t.arm, t.seed, t.size) for t in order[28:]]
+  assert rest == ([("tune", "own", s, None) for s in (100, 101)] * 3
+                  + [("discovery", "own", 0, 4000),
+                     ("confirmation", "own", 500, 4000),
+                     ("discovery", "ablation", 0, 4000),
+                     ("confirmation", "ablation", 500, 4000),
+                     ("discovery", "frozen", 0, 4000),
+                     ("confirmation", "frozen", 500, 4000)])
+  # the choices: each arm's best; the non-Q/K AdamW is adamw's, except for
+  # adamw itself and the arm that sets its own
+  c = {t.arm: (dict(t.point), dict(t.base)) for t in order
+       if t.stage != "tune"}
+  assert c["adamw"] == ({"lr": 3e-3}, {})
+  assert c["stiefel"] == ({"lr": 0.3}, {"lr": 3e-3})
+  assert c["own"] == ({"lr": 3e-3}, {})
+  assert c["ablation"] == ({"lr": 0.3}, {"lr": 3e-3})   # stiefel's choice
+  assert c["frozen"] == ({}, {"lr": 3e-3})
+  assert S.remaining(STUDY, runs) == []
+
+
+def test_plan_stops_at_an_unfinished_grid_and_widens_it():
+  # adamw's best lies past the grid's top: widened to 0.0333, where the
+  # best lands on the edge again, so once more, to 0.111
+  order, runs = run_all(STUDY, {"adamw": 3e-2, "stiefel": 0.3, "own": 1e-2})
+  adamw = [t.point["lr"] for t in order if t.stage == "tune"
+           and t.arm == "adamw"]
+  assert adamw == ([1e-3] * 2 + [3e-3] * 2 + [1e-2] * 2 + [0.0333] * 2
+                   + [0.111] * 2)
+  t = S.tuning(STUDY, runs, "adamw", {})
+  assert t.finished and t.widenings == 2
+  assert S.choice(STUDY, runs, "adamw") == ({"lr": 0.0333}, {})
+  # before any run: only adamw's grid is planned; stiefel waits on it
+  nothing = finished({}, {})
+  assert {t.arm for t in S.plan(STUDY, nothing)} == {"adamw"}
+  assert S.choice(STUDY, nothing, "stiefel") is None
+
+
+def test_assume_lists_the_whole_study_with_guesses_marked():
+  whole = S.plan(STUDY, finished({}, {}), assume=True)
+  counts = {st: sum(t.stage == st for t in whole) for st in S.STAGES}
+  # tuning: 3 points x 2 seeds for adamw, stiefel and own; pairs: 2 main
+  # arms x 4 seeds x 2 sizes, 3 others x 2 seeds
+  assert counts == {"tune": 18, "discovery": 8 + 3, "confirmation": 8 + 3}
+  # nothing is chosen: every run built on a choice is provisional, and a
+  # grid's centre stands in for it
+  assert [t.provisional for t in whole if t.arm == "adamw"
+          and t.stage == "tune"] == [False] * 6
+  assert all(t.provisional for t in whole if t.stage != "tune")
+  assert {t.point["lr"] for t in whole if t.arm == "stiefel"
+          and t.stage == "discovery"} == {0.3}
+
+
+def test_fixed_choices_are_not_tuned_and_names_deduplicate():
+  fixed = S.Study(**{**STUDY.__dict__, "fixed": (("adamw", {"lr": 1e-2}),)})
+  first = S.plan(fixed, finished({}, {}))
+  assert first[0].arm == "stiefel" and first[0].base == {"lr": 1e-2}
+  # a run two stages name is listed once, at the first
+  ref = S.Task("reference", "adamw", {}, {}, 0)
+  same = lambda t: "adamw" if t.arm == "adamw" else str(key(t))
+  tasks = S.plan(STUDY, finished({}, {}), first=[ref], name=same)
+  assert tasks[0] == ref and all(t.arm != "adamw" for t in tasks[1:])
