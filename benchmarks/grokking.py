@@ -674,11 +674,21 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
     bar = tqdm(total=sum(j[2] for j in jobs), unit="step", desc="grokking",
                mininterval=5.0)
   runs = {arm: {} for arm in study.arms + (PROBE_ARM,)}
-  for arm, seed, steps in jobs:
+  left = list(jobs)
+
+  def execute(job):
+    arm, seed, steps = job
     if bar is not None:
       bar.set_postfix_str(f"{arm} seed {seed} -> {steps}")
     runs[arm][seed] = train_run(cfg, arm, seed, steps, out, bar,
                                 command=command)
+    left.remove(job)
+    return runs[arm][seed]
+
+  # The shared runner; the bar counts steps here (a run's length varies).
+  harness.run_tasks(lambda: left, execute, desc="grokking",
+                    describe=lambda job, _: f"{job[0]} seed {job[1]}: step"
+                    f" {job[2]}", log=lambda _: None, progress=False)
   if bar is not None:
     bar.close()
   return runs

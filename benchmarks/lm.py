@@ -93,8 +93,10 @@ loss, each grid widened geometrically past an edge its best point lands on
 (at most 3 times; `harness.tuned_axes`). Tuning runs use the 500-iteration
 schedule (decay to 500) on which the earlier tuning was done. (3) Paired
 runs at the CPU config: adamw and stiefel at discovery seeds 0-7 and
-confirmation seeds 500-507, the other arms at 0-5 and 500-505, every
-discovery seed before any confirmation seed. (4) The report: each arm
+confirmation seeds 500-507, the other arms at 0-5 and 500-505, each
+arm's discovery seeds before its confirmation seeds, the main pair's before
+any other arm's tuning (`benchmarks.study`, the plan CIFAR shares). (4) The
+report: each arm
 against adamw and stiefel against each other arm, treatment - baseline in
 validation loss with its 95% CI, paired t, p, Holm-adjusted p across each
 table, wins and both arms' train loss, separately for discovery and
