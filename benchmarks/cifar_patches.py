@@ -318,7 +318,7 @@ def make_eval_fn(model: Transformer, mean, std):
 
 
 Task = study_lib.Task
-hp_key = harness.point_key
+hp_key = study_lib.point_key
 
 
 def run_name(task: Task) -> str:
@@ -330,16 +330,16 @@ def run_name(task: Task) -> str:
 
 
 # --------------------------------------------------------------------------
-# Tuning: product grids (harness.grid_points), the mean over tuning seeds,
-# edges widened (harness.extend_axes) until the best point is interior.
+# Tuning: product grids (study_lib.grid_points), the mean over tuning seeds,
+# edges widened (study_lib.extend_axes) until the best point is interior.
 
-grid_points = harness.grid_points
-extend_axes = harness.extend_axes
+grid_points = study_lib.grid_points
+extend_axes = study_lib.extend_axes
 
 
 def best_point(axes, scores: dict) -> dict:
   """The grid point of highest mean validation accuracy (ties: first)."""
-  return harness.best_point(axes, scores, higher_is_better=True)
+  return study_lib.best_point(axes, scores, higher_is_better=True)
 
 
 # The order arms run in (`benchmarks.study`): the main arms together, then
@@ -570,14 +570,14 @@ def describe(task: Task, rec: dict) -> str:
 
 def run_plan(bench: Bench, study: study_lib.Study, report_fn=None,
              time_budget: float = 0.0) -> int:
-  """Runs the study's unfinished runs in order (`harness.run_tasks`: the
+  """Runs the study's unfinished runs in order (`study_lib.run_tasks`: the
   plan asked anew after each run); report_fn() after each paired run.
   Returns the number of runs made."""
   def after(task, _):
     if task.stage != "tune" and report_fn:   # the tables so far
       report_fn()
 
-  return harness.run_tasks(lambda: remaining(bench, study), bench.execute,
+  return study_lib.run_tasks(lambda: remaining(bench, study), bench.execute,
                            desc="cifar", describe=describe, after=after,
                            expected_s=bench.expected_s,
                            time_budget=time_budget)

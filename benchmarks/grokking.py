@@ -49,7 +49,8 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import harness, models, modular, stats, training
+from benchmarks import harness, models, modular, stats, study as study_lib
+from benchmarks import training
 
 ARMS = ("adamw", "stiefel")
 PROBE_ARM = "rsgd"
@@ -686,7 +687,7 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
     return runs[arm][seed]
 
   # The shared runner; the bar counts steps here (a run's length varies).
-  harness.run_tasks(lambda: left, execute, desc="grokking",
+  study_lib.run_tasks(lambda: left, execute, desc="grokking",
                     describe=lambda job, _: f"{job[0]} seed {job[1]}: step"
                     f" {job[2]}", log=lambda _: None, progress=False)
   if bar is not None:

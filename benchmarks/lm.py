@@ -90,7 +90,7 @@ decay; stiefel: Q/K lr x cap; rsgd, stiefel_muon, muon: Q/K lr; the non-Q/K
 weights of these four on adamw's chosen lr and weight decay), tuning seeds
 100-102, a point's score the mean over them of the whole-split validation
 loss, each grid widened geometrically past an edge its best point lands on
-(at most 3 times; `harness.tuned_axes`). Tuning runs use the 500-iteration
+(at most 3 times; `study_lib.tuned_axes`). Tuning runs use the 500-iteration
 schedule (decay to 500) on which the earlier tuning was done. (3) Paired
 runs at the CPU config: adamw and stiefel at discovery seeds 0-7 and
 confirmation seeds 500-507, the other arms at 0-5 and 500-505, each
@@ -1075,7 +1075,7 @@ def finished(study: Study, done: Mapping, data_id: str) -> study_lib.Finished:
 
 
 def tuning(study: Study, arm: str, base: Mapping, done: Mapping,
-           data_id: str) -> harness.Tuning:
+           data_id: str) -> study_lib.Tuning:
   """The arm's tuning grid (on top of the non-Q/K AdamW hp `base`), widened
   as far as the finished runs in `done` call for."""
   return study_lib.tuning(study.plan(), finished(study, done, data_id), arm,
@@ -1252,7 +1252,7 @@ def estimate_text(study: Study, est: dict, n_timed: int) -> str:
 def run_study(study: Study, corpus: Corpus, out: pathlib.Path, *,
               command: str = "", log=print, time_budget: float = 0.0,
               rates: Optional[Mapping] = None, on_paired=None) -> int:
-  """Runs the study's unfinished runs in plan order (`harness.run_tasks`:
+  """Runs the study's unfinished runs in plan order (`study_lib.run_tasks`:
   the plan recomputed after each, so a tuning grid widens as its runs come
   in); stops before a run expected to end past time_budget seconds.
   on_paired() after each paired run (the tables so far). Returns the
@@ -1278,7 +1278,7 @@ def run_study(study: Study, corpus: Corpus, out: pathlib.Path, *,
     if task.stage in ("discovery", "confirmation") and on_paired is not None:
       on_paired()
 
-  return harness.run_tasks(
+  return study_lib.run_tasks(
       lambda: remaining(study, done, corpus.data_id), execute,
       desc="lm study", describe=describe, after=after,
       expected_s=lambda task: run_seconds(task.cfg, rates),
@@ -1310,7 +1310,7 @@ def tuning_summary(study: Study, arm: str, done: Mapping,
                 axes=None, points=[], chosen=None, widenings=0, runs=0)
   t = tuning(study, arm, base, done, data_id)
   points = []
-  for p in harness.grid_points(t.axes):
+  for p in study_lib.grid_points(t.axes):
     cfg = point_config(study.base, arm, {**base, **p}, study.tune_iters)
     recs = {s: done[n] for s in study.tune_seeds
             if (n := run_name(cfg, s, data_id)) in done}
@@ -1320,12 +1320,12 @@ def tuning_summary(study: Study, arm: str, done: Mapping,
         val=mean([r["final"]["val_loss_full"] for r in recs.values()]),
         train=mean([r["final"]["train_loss"] for r in recs.values()]),
         wall_s=sum(r["wall_s"] for r in recs.values())))
-  chosen = (harness.best_point(t.axes, t.scores, higher_is_better=False)
+  chosen = (study_lib.best_point(t.axes, t.scores, higher_is_better=False)
             if t.finished else None)
   runs = sum(len(p["seeds"]) for p in points)
   status = ("finished" if t.finished else
             f"{runs} of {len(points) * len(study.tune_seeds)} runs")
-  if t.finished and harness.extend_axes(t.axes, chosen) is not None:
+  if t.finished and study_lib.extend_axes(t.axes, chosen) is not None:
     status += f" (best on an edge after {t.widenings} widening(s))"
   return dict(arm=arm, status=status, base=base,
               axes=[[n, list(v)] for n, v in t.axes], points=points,
@@ -1705,7 +1705,7 @@ def train_sweep(args, argv, corpus: Corpus, out: pathlib.Path, log) -> bool:
     left.remove(seed)
     return {}
 
-  harness.run_tasks(lambda: left, execute, desc="lm",
+  study_lib.run_tasks(lambda: left, execute, desc="lm",
                     describe=lambda seed, _: f"seed {seed} done",
                     time_budget=args.time_budget, log=log, progress=False)
   return True

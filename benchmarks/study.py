@@ -11,7 +11,7 @@ for the CIFAR and the language-model benchmarks:
   validation score; the best point is chosen (ties: the first), and an
   axis whose best value lies on its edge is widened by one geometric step,
   at most `max_extensions` times, until the best is interior
-  (`harness.tuned_axes`). The base arm (AdamW) is tuned first: its choice
+  (`tuned_axes`). The base arm (AdamW) is tuned first: its choice
   is the non-Q/K AdamW (`Task.base`) of every arm that does not set its own
   (`Arm.own_base`, e.g. a whole-model AdamW recipe).
 - **Plan.** The main arms' tuning, then their paired runs: at each size in
@@ -23,16 +23,104 @@ for the CIFAR and the language-model benchmarks:
   widen); with `assume` (estimates only) a grid's centre stands in for a
   choice not yet made, and the whole study is listed, the runs that rest
   on such a guess marked provisional.
+- **Runner.** `run_tasks` runs the first unfinished run of a plan, then
+  asks for the plan again, until nothing is left or a time budget would
+  be overrun.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, NamedTuple, Optional
+import itertools
+import time
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from benchmarks import harness
+
+# --------------------------------------------------------------------------
+# Fair tuning: product grids scored on validation, the best point, and the
+# grid widened geometrically past any edge its best point lands on (every
+# arm the same density, so no arm wins by a finer search).
+
+
+def point_key(point: Mapping) -> str:
+  """A grid point {name: value} as a name: 'lr0.001_weight_decay0.1'
+  (names sorted, values %g; 'none' for the empty point)."""
+  return "_".join(f"{k}{v:g}" for k, v in sorted(point.items())) or "none"
+
+
+def grid_points(axes) -> list:
+  """The points {name: value} of the product grid of `axes` ((name,
+  values), ...), in order (the last axis varies fastest)."""
+  names = [name for name, _ in axes]
+  return [dict(zip(names, vals))
+          for vals in itertools.product(*(v for _, v in axes))]
+
+
+def best_point(axes, scores: Mapping, higher_is_better: bool = True,
+               key: Callable[[Mapping], str] = point_key) -> dict:
+  """The grid point with the best score (ties: the first in grid order);
+  scores maps key(point) to the point's score (e.g. the mean over the
+  tuning seeds of a validation accuracy, higher_is_better=True, or of a
+  validation loss, higher_is_better=False)."""
+  points = grid_points(axes)
+  sign = 1.0 if higher_is_better else -1.0
+  return max(points, key=lambda p: (sign * scores[key(p)], -points.index(p)))
+
+
+def extend_axes(axes, best: Mapping) -> Optional[tuple]:
+  """`axes` with every axis whose best value is its first or last value
+  extended one geometric step beyond it (the ratio of the edge to its
+  neighbour, rounded to 3 significant digits); None when the best is
+  interior on every axis (an axis of a single value has no edge to
+  extend)."""
+  out, changed = [], False
+  for name, vals in axes:
+    vals = tuple(vals)
+    if len(vals) >= 2 and best[name] in (vals[0], vals[-1]):
+      lo = best[name] == vals[0]
+      a, b = (vals[0], vals[1]) if lo else (vals[-1], vals[-2])
+      new = float(f"{a * a / b:.3g}")
+      vals = (new,) + vals if lo else vals + (new,)
+      changed = True
+    out.append((name, vals))
+  return tuple(out) if changed else None
+
+
+class Tuning(NamedTuple):
+  """Where a tuning grid stands: its axes (widened as far as the finished
+  runs call for), the scores of those axes' points (None while a run is
+  missing), whether it is finished (every run done, and the best interior
+  or max_extensions widenings made) and how many widenings were made."""
+  axes: tuple
+  scores: Optional[dict]
+  finished: bool
+  widenings: int
+
+
+def tuned_axes(axes, scores_of: Callable[[tuple], Optional[dict]],
+               max_extensions: int, higher_is_better: bool = True,
+               key: Callable[[Mapping], str] = point_key) -> Tuning:
+  """Widens `axes` past the edges its best point lands on, at most
+  max_extensions times. scores_of(axes) is {key(point): score} for every
+  point of axes, or None while some run of them is unfinished (then the
+  grid stops growing: run those, then ask again)."""
+  axes = tuple((name, tuple(vals)) for name, vals in axes)
+  for widenings in range(max_extensions + 1):
+    scores = scores_of(axes)
+    if scores is None:
+      return Tuning(axes, None, False, widenings)
+    wider = extend_axes(axes, best_point(axes, scores, higher_is_better, key))
+    if wider is None or widenings == max_extensions:
+      return Tuning(axes, scores, True, widenings)
+    axes = wider
+  raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------
+# The plan.
 
 STAGES = ("tune", "discovery", "confirmation")
 
@@ -113,20 +201,20 @@ def tune_task(arm: str, point: Mapping, base: Mapping, seed: int,
 
 
 def tuning(study: Study, runs: Finished, arm: str,
-           base: Mapping) -> harness.Tuning:
+           base: Mapping) -> Tuning:
   """The arm's grid (on top of the non-Q/K AdamW `base`), widened as far as
   its finished runs call for, with their mean scores."""
   def scores_of(axes):
     out = {}
-    for p in harness.grid_points(axes):
+    for p in grid_points(axes):
       recs = [runs.record(tune_task(arm, p, base, s))
               for s in study.tune_seeds]
       if any(r is None for r in recs):
         return None
-      out[harness.point_key(p)] = float(np.mean([runs.score(r)
+      out[point_key(p)] = float(np.mean([runs.score(r)
                                                  for r in recs]))
     return out
-  return harness.tuned_axes(study.arm(arm).axes, scores_of,
+  return tuned_axes(study.arm(arm).axes, scores_of,
                             study.max_extensions, study.higher_is_better)
 
 
@@ -159,7 +247,7 @@ def choice(study: Study, runs: Finished, arm: str,
     return {}, base
   t = tuning(study, runs, arm, base)
   if t.finished:
-    return harness.best_point(t.axes, t.scores, study.higher_is_better), base
+    return best_point(t.axes, t.scores, study.higher_is_better), base
   return (centre(t.axes), base) if assume else None
 
 
@@ -178,9 +266,9 @@ def _tuned(study: Study, runs: Finished, arm: str, assume: bool):
     return [], None if c is None else (c[0], c[1], guessed or late)
   t = tuning(study, runs, arm, base)
   tasks = [tune_task(arm, p, base, s, guessed)
-           for p in harness.grid_points(t.axes) for s in study.tune_seeds]
+           for p in grid_points(t.axes) for s in study.tune_seeds]
   if t.finished:
-    point = harness.best_point(t.axes, t.scores, study.higher_is_better)
+    point = best_point(t.axes, t.scores, study.higher_is_better)
   elif assume:
     point = centre(t.axes)
   else:
@@ -230,3 +318,53 @@ def remaining(study: Study, runs: Finished, assume: bool = False, first=(),
   """The plan's runs that are not finished."""
   return [t for t in plan(study, runs, assume, first, name)
           if runs.record(t) is None]
+
+
+# --------------------------------------------------------------------------
+# The study runner: every experiment's plan, run in order, resumable.
+
+
+def run_tasks(remaining: Callable[[], Sequence], execute: Callable, *,
+              desc: str, describe: Callable, after: Optional[Callable] = None,
+              expected_s: Optional[Callable] = None, time_budget: float = 0.0,
+              log: Callable = print, progress: bool = True) -> int:
+  """Runs `remaining()[0]` until `remaining()` is empty: the list is asked
+  anew after each run, so a plan that depends on finished runs (a tuning
+  grid that widens, paired runs waiting on a tuning choice) follows them.
+
+  execute(task) trains one run and returns its record; log gets
+  describe(task, record) after it, then after(task, record) runs (the
+  tables so far). With time_budget > 0 the runner stops before a run
+  expected to end past that many seconds from its start (expected_s(task),
+  else the longest run so far). Returns the number of runs made.
+  """
+  bar = None
+  if progress:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm(desc=desc, unit="run", mininterval=5)
+  t0, made, longest = time.time(), 0, 0.0
+  while left := remaining():
+    task = left[0]
+    if bar is not None:
+      bar.total = made + len(left)
+      bar.refresh()
+    expect = (expected_s(task) if expected_s else None) or longest
+    if time_budget and made and time.time() - t0 + expect > time_budget:
+      log(f"time budget {time_budget:.0f} s: stopping with {len(left)}"
+          f" planned run(s) left (the next expected to take {expect:.0f} s)")
+      break
+    ts = time.time()
+    rec = execute(task)
+    longest = max(longest, time.time() - ts)
+    made += 1
+    line = f"[{len(left) - 1} planned left] {describe(task, rec)}"
+    if bar is not None:
+      bar.write(line)
+      bar.update(1)
+    else:
+      log(line)
+    if after is not None:
+      after(task, rec)
+  if bar is not None:
+    bar.close()
+  return made

@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import stiefel_optax as so
-from benchmarks import harness, lm, stats
+from benchmarks import harness, lm, stats, study as study_lib
 
 # The quick study's toy model: the unit tests and the study share its
 # compiled operations (nanoGPT's initialisation runs op by op).
@@ -292,23 +292,23 @@ def _fake_runs(study, data, loss, arms, done=None):
 
 
 def test_tuning_grids_widen_past_their_edges():
-  """harness: product grids, best point (higher or lower is better), and
+  """study: product grids, best point (higher or lower is better), and
   widening until the best is interior, at most max_extensions times."""
   axes = (("lr", (1e-3, 3e-3, 1e-2)), ("wd", (0.1,)))
-  assert harness.grid_points(axes) == [{"lr": 1e-3, "wd": 0.1},
+  assert study_lib.grid_points(axes) == [{"lr": 1e-3, "wd": 0.1},
                                        {"lr": 3e-3, "wd": 0.1},
                                        {"lr": 1e-2, "wd": 0.1}]
   scores = {"lr0.001_wd0.1": 1.0, "lr0.003_wd0.1": 2.0, "lr0.01_wd0.1": 2.0}
-  assert harness.best_point(axes, scores) == {"lr": 3e-3, "wd": 0.1}
-  assert harness.best_point(axes, scores, higher_is_better=False)["lr"] == 1e-3
-  assert harness.extend_axes(axes, {"lr": 1e-2, "wd": 0.1}) == (
+  assert study_lib.best_point(axes, scores) == {"lr": 3e-3, "wd": 0.1}
+  assert study_lib.best_point(axes, scores, higher_is_better=False)["lr"] == 1e-3
+  assert study_lib.extend_axes(axes, {"lr": 1e-2, "wd": 0.1}) == (
       ("lr", (1e-3, 3e-3, 1e-2, 0.0333)), ("wd", (0.1,)))
-  assert harness.extend_axes(axes, {"lr": 3e-3, "wd": 0.1}) is None
-  far = lambda axes: {harness.point_key(p): -p["lr"]
-                      for p in harness.grid_points(axes)}
-  t = harness.tuned_axes(axes, far, 3, higher_is_better=False)
+  assert study_lib.extend_axes(axes, {"lr": 3e-3, "wd": 0.1}) is None
+  far = lambda axes: {study_lib.point_key(p): -p["lr"]
+                      for p in study_lib.grid_points(axes)}
+  t = study_lib.tuned_axes(axes, far, 3, higher_is_better=False)
   assert t.finished and t.widenings == 3 and t.axes[0][1][-1] == 0.37
-  assert harness.tuned_axes(axes, lambda _: None, 3) == harness.Tuning(
+  assert study_lib.tuned_axes(axes, lambda _: None, 3) == study_lib.Tuning(
       axes, None, False, 0)
 
 
