@@ -211,11 +211,10 @@ def tuning(study: Study, runs: Finished, arm: str,
               for s in study.tune_seeds]
       if any(r is None for r in recs):
         return None
-      out[point_key(p)] = float(np.mean([runs.score(r)
-                                                 for r in recs]))
+      out[point_key(p)] = float(np.mean([runs.score(r) for r in recs]))
     return out
-  return tuned_axes(study.arm(arm).axes, scores_of,
-                            study.max_extensions, study.higher_is_better)
+  return tuned_axes(study.arm(arm).axes, scores_of, study.max_extensions,
+                    study.higher_is_better)
 
 
 def base_of(study: Study, runs: Finished, arm: str,
@@ -252,28 +251,22 @@ def choice(study: Study, runs: Finished, arm: str,
 
 
 def _tuned(study: Study, runs: Finished, arm: str, assume: bool):
-  """(tuning tasks of the arm's current grid, (point, base, provisional)
-  of its paired runs or None while unchosen)."""
-  a, fixed = study.arm(arm), dict(study.fixed)
+  """(the tuning runs of the arm's current grid, its choice (point, base,
+  provisional) or None while it is not made); provisional: resting on a
+  guess (assume), as every run that waits on an unmade choice."""
   base = base_of(study, runs, arm, assume)
   if base is None:
     return [], None
-  guessed = (arm != study.base_arm and not a.own_base
-             and choice(study, runs, study.base_arm) is None)
-  if arm in fixed or not a.axes:
-    c = choice(study, runs, arm, assume)
-    late = c is not None and choice(study, runs, arm) is None
-    return [], None if c is None else (c[0], c[1], guessed or late)
-  t = tuning(study, runs, arm, base)
-  tasks = [tune_task(arm, p, base, s, guessed)
-           for p in grid_points(t.axes) for s in study.tune_seeds]
-  if t.finished:
-    point = best_point(t.axes, t.scores, study.higher_is_better)
-  elif assume:
-    point = centre(t.axes)
-  else:
+  guessed = base_of(study, runs, arm) is None
+  tasks = []
+  if study.arm(arm).axes and arm not in dict(study.fixed):
+    tasks = [tune_task(arm, p, base, s, guessed)
+             for p in grid_points(tuning(study, runs, arm, base).axes)
+             for s in study.tune_seeds]
+  c = choice(study, runs, arm, assume)
+  if c is None:
     return tasks, None
-  return tasks, (point, base, guessed or not t.finished)
+  return tasks, (*c, choice(study, runs, arm) is None)
 
 
 def stages(study: Study, runs: Finished, assume: bool = False) -> list:
