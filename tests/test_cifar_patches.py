@@ -379,6 +379,12 @@ def test_quick_end_to_end_and_resume(tmp_path, capsys):
                   "--dry-run"]) == {}
   assert "to do: 2 tuning and 4 paired runs" in capsys.readouterr().out
   assert not list((out / "runs").glob("*.json"))
+  # a time budget stops before the first run expected to end past it (here:
+  # the second; the first always runs)
+  cp.main(["--quick", "--seeds", "0,1", "--out", str(out), "--time-budget",
+           "1e-3"])
+  assert len(list((out / "runs").glob("*.json"))) == 1
+  assert "time budget 0 s: stopping with 1 planned" in capsys.readouterr().out
   summary = cp.main(["--quick", "--seeds", "0,1", "--out", str(out),
                      "--results-md", str(md)])
   runs = sorted((out / "runs").glob("*.json"))
