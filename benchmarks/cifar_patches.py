@@ -347,15 +347,16 @@ def best_point(axes, scores: dict) -> dict:
 GROUPS = ("main", "competitor", "baseline", "ablation", "eps")
 
 
-def study_arm(arm: Arm) -> study_lib.Arm:
+def study_arm(arm: Arm, paired: bool = True) -> study_lib.Arm:
   return study_lib.Arm(arm.name, arm.grid, arm.tune_from, arm.own_base,
-                       arm.group == "main")
+                       arm.group == "main", paired)
 
 
 def with_dependencies(registry: dict, names: Sequence[str]) -> list:
   """`names` with the arms they build on (adamw, whose choice every arm's
   non-Q/K AdamW is; the arm an ablation takes its choice from), in the
-  registry's run order (GROUPS)."""
+  registry's run order (GROUPS). Those join the study for their choice
+  only: tuned if need be, not paired."""
   unknown = sorted(set(names) - set(registry))
   if unknown:
     raise ValueError(f"unknown arms {unknown}; known: {list(registry)}.")
@@ -403,10 +404,10 @@ class Bench:
     """The study of `arms` (default: every arm) and the arms they build on,
     the main ones at each of `sizes` (largest first), the others at the
     largest; tuned by mean validation accuracy (higher is better)."""
-    names = with_dependencies(self.arms, list(self.arms) if arms is None
-                              else arms)
+    asked = list(self.arms) if arms is None else list(arms)
+    names = with_dependencies(self.arms, asked)
     return study_lib.Study(
-        arms=tuple(study_arm(self.arms[a]) for a in names),
+        arms=tuple(study_arm(self.arms[a], a in asked) for a in names),
         tune_seeds=self.cfg.tune_seeds, main_seeds=tuple(main_seeds),
         other_seeds=tuple(other_seeds),
         sizes=tuple(sorted(sizes, key=lambda n: -1 if n is None else -n)),
@@ -436,9 +437,14 @@ class Bench:
         return None
       self._records[name] = rec   # runs change only through `execute`
     if rec.get("hp") != dict(task.point) or (
-        task.base and rec.get("base") != dict(task.base)):
+        not self.own_base(task.arm) and rec.get("base") != dict(task.base)):
       return None
     return rec
+
+  def own_base(self, arm: str) -> bool:
+    """Whether the arm's hyperparameters set its non-Q/K AdamW (adamw and
+    the whole-model AdamW recipes), rather than adamw's choice."""
+    return arm == "adamw" or self.arms[arm].own_base
 
   # one run ----------------------------------------------------------------
   def epoch_fn(self, arm: Arm, hp: dict, base: dict, n: int):
@@ -474,7 +480,8 @@ class Bench:
     tuning = task.stage == "tune"
     hp = dict(task.point)
     # adamw and the whole-model AdamW recipes set their own non-Q/K AdamW
-    base = dict(task.base) or {k: hp[k] for k in BASE_KEYS}
+    base = ({k: hp[k] for k in BASE_KEYS} if self.own_base(task.arm)
+            else dict(task.base))
     n = self.size(task)
     pool = self.pool if tuning else self.all_train
     ex, ey = ((self.x[self.val], self.y[self.val]) if tuning
@@ -516,11 +523,16 @@ class Bench:
 
   def expected_s(self, task: Task) -> Optional[float]:
     """The median wall time of the runs read or made of the task's kind,
-    arm and n (None if there are none)."""
+    arm and n; else the median time per training image of every run read
+    or made, times n (None before any run)."""
     kind, n = ("tune" if task.stage == "tune" else "run"), self.size(task)
-    walls = [r["wall_s"] for r in self._records.values()
+    recs = self._records.values()
+    walls = [r["wall_s"] for r in recs
              if (r["kind"], r["arm"], r["n"]) == (kind, task.arm, n)]
-    return float(np.median(walls)) if walls else None
+    if walls:
+      return float(np.median(walls))
+    per_image = [r["wall_s"] / r["n"] for r in recs]
+    return float(np.median(per_image)) * n if per_image else None
 
 
 # --------------------------------------------------------------------------
@@ -538,14 +550,10 @@ def remaining(bench: Bench, study: study_lib.Study) -> list:
 
 def estimate(bench: Bench, study: study_lib.Study) -> dict:
   """The study's unfinished runs (every point of each tuning grid as far
-  as it has widened, every paired run) and their expected wall seconds:
-  the median of the finished runs of the same kind, arm and n, else the
-  median time per training image of every finished run times n."""
+  as it has widened, every paired run) and their expected wall seconds
+  (`Bench.expected_s`)."""
   left = study_lib.remaining(study, bench.finished(), assume=True)
-  per_image = [r["wall_s"] / r["n"] for r in bench._records.values()]
-  fallback = float(np.median(per_image)) if per_image else None
-  secs = [bench.expected_s(t) or (fallback and fallback * bench.size(t))
-          for t in left]
+  secs = [bench.expected_s(t) for t in left]
   return {"tune": sum(t.stage == "tune" for t in left),
           "run": sum(t.stage != "tune" for t in left),
           "seconds": sum(x or 0.0 for x in secs),
@@ -578,9 +586,9 @@ def run_plan(bench: Bench, study: study_lib.Study, report_fn=None,
       report_fn()
 
   return study_lib.run_tasks(lambda: remaining(bench, study), bench.execute,
-                           desc="cifar", describe=describe, after=after,
-                           expected_s=bench.expected_s,
-                           time_budget=time_budget)
+                             desc="cifar", describe=describe, after=after,
+                             expected_s=bench.expected_s,
+                             time_budget=time_budget)
 
 
 # --------------------------------------------------------------------------

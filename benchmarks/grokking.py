@@ -688,8 +688,8 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
 
   # The shared runner; the bar counts steps here (a run's length varies).
   study_lib.run_tasks(lambda: left, execute, desc="grokking",
-                    describe=lambda job, _: f"{job[0]} seed {job[1]}: step"
-                    f" {job[2]}", log=lambda _: None, progress=False)
+                      describe=lambda job, _: f"{job[0]} seed {job[1]}:"
+                      f" step {job[2]}", log=lambda _: None, progress=False)
   if bar is not None:
     bar.close()
   return runs

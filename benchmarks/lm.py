@@ -1694,8 +1694,10 @@ def train_sweep(args, argv, corpus: Corpus, out: pathlib.Path, log) -> bool:
       return False
   command = harness.command_line("benchmarks.lm", argv)
   left = list(seeds)   # train_run reuses the finished runs
+  per_seed = []
 
   def execute(seed: int) -> dict:   # seed-major: a stop leaves whole pairs
+    ts = time.time()
     for cfg in cfgs:
       rec = train_run(cfg, seed, corpus, out, command=command, log=log)
       f = rec["final"]
@@ -1703,11 +1705,14 @@ def train_sweep(args, argv, corpus: Corpus, out: pathlib.Path, log) -> bool:
           f" {f['val_loss']:.4f}, val (whole split) {f['val_loss_full']:.4f},"
           f" {rec['wall_s']:.0f} s")
     left.remove(seed)
+    per_seed.append(time.time() - ts)
     return {}
 
+  # A seed's runs take as long as the slowest seed so far, with a margin.
   study_lib.run_tasks(lambda: left, execute, desc="lm",
-                    describe=lambda seed, _: f"seed {seed} done",
-                    time_budget=args.time_budget, log=log, progress=False)
+                      describe=lambda seed, _: f"seed {seed} done",
+                      expected_s=lambda _: 1.1 * max(per_seed, default=0.0),
+                      time_budget=args.time_budget, log=log, progress=False)
   return True
 
 

@@ -131,13 +131,15 @@ class Arm(NamedTuple):
   axes: its tuning grid; () when it has nothing to tune; None when it takes
   the choice of `tune_from` (an ablation at the tuned setting). own_base:
   its grid sets its non-Q/K AdamW itself. main: run at every size and
-  tuned first.
+  tuned first. paired: False for an arm in the study only for its choice
+  (one that another arm builds on): tuned, never paired.
   """
   name: str
   axes: Optional[tuple] = ()
   tune_from: Optional[str] = None
   own_base: bool = False
   main: bool = True
+  paired: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,12 +159,30 @@ class Study:
   higher_is_better: bool = True
   fixed: tuple = ()
 
+  def __post_init__(self):
+    # An arm's choice must be made before its runs are planned: what it
+    # builds on comes earlier, and is a main arm if it is one.
+    names = self.names
+    for i, a in enumerate(self.arms):
+      needs = ([self.base_arm] if a.name != self.base_arm and not a.own_base
+               else []) + ([a.tune_from] if a.axes is None else [])
+      for need in needs:
+        if need not in names or names.index(need) > i or (
+            a.main and not self.arm(need).main):
+          raise ValueError(
+              f"study: arm {a.name!r} builds on {need!r}, which must be an"
+              f" arm of the study before it (and a main arm if {a.name!r}"
+              f" is one); arms in order: {list(names)}.")
+
   @property
   def names(self) -> tuple:
     return tuple(a.name for a in self.arms)
 
   def arm(self, name: str) -> Arm:
-    return next(a for a in self.arms if a.name == name)
+    for a in self.arms:
+      if a.name == name:
+        return a
+    raise KeyError(f"study: no arm {name!r}; arms: {list(self.names)}.")
 
   def seeds(self, name: str) -> tuple:
     return self.main_seeds if self.arm(name).main else self.other_seeds
@@ -290,7 +310,8 @@ def stages(study: Study, runs: Finished, assume: bool = False) -> list:
                         if harness.seed_block(s) == block})
         tasks += [Task(block, a, chosen[a][0], chosen[a][1], s, size,
                        chosen[a][2])
-                  for s in seeds for a in arms if s in study.seeds(a)]
+                  for s in seeds for a in arms
+                  if s in study.seeds(a) and study.arm(a).paired]
   return tasks
 
 

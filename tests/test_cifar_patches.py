@@ -163,7 +163,7 @@ def test_recipes_keep_frames_orthonormal(name):
   assert (moved == 0.0) == (name == "frozen")
 
 
-def test_an_arm_brings_the_arms_it_builds_on():
+def test_an_arm_brings_the_arms_it_builds_on(tmp_path):
   # every arm trains on adamw's choice; an ablation takes stiefel's
   assert cp.with_dependencies(cp.ARMS, ["no_cap"]) == [
       "adamw", "stiefel", "no_cap"]
@@ -171,6 +171,12 @@ def test_an_arm_brings_the_arms_it_builds_on():
       "adamw", "stiefel", "rsgd", "eps_0.1"]
   with pytest.raises(ValueError, match="unknown arms"):
     cp.with_dependencies(cp.ARMS, ["sgd"])
+  # they join for their choice only: tuned, not paired
+  cfg = cp.quick_config()
+  bench = cp.Bench(cifar_data.synthetic(448, cfg.val_size), cfg, tmp_path)
+  st = bench.study([384], (0,), (0,), ["no_cap"])
+  assert [(a.name, a.paired) for a in st.arms] == [
+      ("adamw", False), ("stiefel", False), ("no_cap", True)]
 
 
 def test_competitor_arms_train(tmp_path):

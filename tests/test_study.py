@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
+
 from benchmarks import harness, study as S
 
 ADAMW = S.Arm("adamw", (("lr", (1e-3, 3e-3, 1e-2)),))
@@ -105,6 +107,34 @@ def test_assume_lists_the_whole_study_with_guesses_marked():
   assert all(t.provisional for t in whole if t.stage != "tune")
   assert {t.point["lr"] for t in whole if t.arm == "stiefel"
           and t.stage == "discovery"} == {0.3}
+
+
+def test_an_arm_in_the_study_for_its_choice_is_tuned_not_paired():
+  only = S.Study(**{**STUDY.__dict__, "arms": (
+      ADAMW._replace(paired=False), STIEFEL._replace(paired=False),
+      ABLATION)})
+  order, _ = run_all(only, {"adamw": 3e-3, "stiefel": 0.3})
+  assert {t.arm for t in order if t.stage == "tune"} == {"adamw", "stiefel"}
+  assert [(t.stage, t.arm, t.seed, dict(t.point)) for t in order
+          if t.stage != "tune"] == [
+              ("discovery", "ablation", 0, {"lr": 0.3}),
+              ("confirmation", "ablation", 500, {"lr": 0.3})]
+
+
+def test_a_study_whose_arm_builds_on_a_later_or_missing_arm_is_refused():
+  with pytest.raises(ValueError, match="'stiefel' builds on 'adamw'"):
+    S.Study(arms=(STIEFEL, ADAMW), tune_seeds=(1,), main_seeds=(0,),
+            other_seeds=(0,))
+  with pytest.raises(ValueError, match="'ablation' builds on 'stiefel'"):
+    S.Study(arms=(ADAMW, ABLATION), tune_seeds=(1,), main_seeds=(0,),
+            other_seeds=(0,))
+  # a main arm cannot wait on an arm tuned after the main pairs
+  with pytest.raises(ValueError, match="'ablation' builds on 'stiefel'"):
+    S.Study(arms=(ADAMW, STIEFEL._replace(main=False),
+                  ABLATION._replace(main=True)), tune_seeds=(1,),
+            main_seeds=(0,), other_seeds=(0,))
+  with pytest.raises(KeyError, match="no arm 'sgd'"):
+    STUDY.arm("sgd")
 
 
 def test_fixed_choices_are_not_tuned_and_names_deduplicate():
