@@ -95,7 +95,7 @@ def stiefel_attention(
   >>> tx = so.stiefel_attention(1e-3)
   >>> state = tx.init(params)
   >>> grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x)))(params)
-  >>> updates, state = tx.update(grads, state, params)
+  >>> updates, state = jax.jit(tx.update)(grads, state, params)
   >>> bool(so.max_isometry_error(optax.apply_updates(params, updates)) < 1e-5)
   True
   """
