@@ -86,8 +86,9 @@ AdamW at nanoGPT's published settings, its own record (seeds 0-3), not the
 tuned adamw (if tuning lands on the same point the two share their runs).
 (2) Tuning on validation, every arm the same grid density: 3 half-decade
 points per hyperparameter (adamw, qk_norm and orthogonal_init: lr x weight
-decay; stiefel: Q/K lr x cap; rsgd, stiefel_muon, muon: Q/K lr; the non-Q/K
-weights of these four on adamw's chosen lr and weight decay), tuning seeds
+decay; stiefel: Q/K lr x cap / Q/K lr; rsgd, stiefel_muon, muon: Q/K lr;
+the non-Q/K weights of these four on adamw's chosen lr and weight decay),
+tuning seeds
 100-102, a point's score the mean over them of the whole-split validation
 loss, each grid widened geometrically past an edge its best point lands on
 (at most 3 times; `study_lib.tuned_axes`). Tuning runs use the 500-iteration
@@ -912,6 +913,7 @@ ADAMW_GRID = (("learning_rate", (1e-3, 3e-3, 1e-2)),
 STAGES = ("reference",) + study_lib.STAGES
 AXIS_LABELS = {"learning_rate": "lr", "weight_decay": "wd",
                "stiefel_learning_rate": "Q/K lr", "max_step_norm": "cap",
+               "max_step_ratio": "cap / Q/K lr",
                "rsgd_learning_rate": "Q/K lr",
                "stiefel_muon_learning_rate": "Q/K lr",
                "muon_learning_rate": "Q/K lr"}
@@ -975,11 +977,16 @@ class Study:
 # 0.03 is about Stiefel-Adam's 0.2); Muon's consistent-RMS lr reads as
 # AdamW's. Stiefel-Muon and Muon have nothing else to tune here (momentum
 # 0.95 with Nesterov, Muon's defaults, as every Muon arm).
+# Stiefel's cap is tuned relative to its lr (cap = ratio x lr): the step's
+# norm is lr ||m|| / sqrt(v) with ||m|| <= sqrt(v) nearly always, so a cap
+# at or above the lr does not bind (the CIFAR study's lr 0.1 runs at caps
+# 0.1, 0.3 and 1 were one run), and an absolute cap axis would spend a
+# third of the grid on copies of one point. Ratio 1 is the uncapped step.
 STUDY = Study(
     base=CPU, tune_iters=500, tune_seeds=(100, 101, 102),
     grids=(("adamw", ADAMW_GRID),
            ("stiefel", (("stiefel_learning_rate", (0.1, 0.3, 1.0)),
-                        ("max_step_norm", (0.1, 0.3, 1.0)))),
+                        ("max_step_ratio", (0.1, 0.3, 1.0)))),
            ("rsgd", (("rsgd_learning_rate", (3.0, 10.0, 30.0)),)),
            ("stiefel_muon", (("stiefel_muon_learning_rate",
                               (0.01, 0.03, 0.1)),)),
@@ -1003,7 +1010,7 @@ QUICK_STUDY = Study(
     grids=(("adamw", (("learning_rate", (1e-3, 1e-2)),
                       ("weight_decay", (0.1,)))),
            ("stiefel", (("stiefel_learning_rate", (0.3,)),
-                        ("max_step_norm", (0.3,)))),
+                        ("max_step_ratio", (1.0,)))),
            ("orthogonal_init", (("learning_rate", (1e-2,)),
                                 ("weight_decay", (0.1,))))),
     main_arms=("adamw", "stiefel"), main_seeds=(0, 1, 500, 501),
@@ -1039,10 +1046,14 @@ def finished_runs(records: Sequence[dict], current_version: bool) -> dict:
 
 def point_config(base: Config, arm: str, hp: Mapping, iters: int) -> Config:
   """base for `arm` on a schedule of `iters` iterations (decayed to the
-  end) with the hyperparameters hp; an AdamW lr brings its floor lr / 10."""
+  end) with the hyperparameters hp; an AdamW lr brings its floor lr / 10,
+  a cap given relative to the Q/K lr (max_step_ratio) is that times it."""
   hp = dict(hp)
   if "learning_rate" in hp:
     hp["min_lr"] = float(f"{hp['learning_rate'] / LR_FLOOR:.6g}")
+  if "max_step_ratio" in hp:
+    hp["max_step_norm"] = float(
+        f"{hp.pop('max_step_ratio') * hp['stiefel_learning_rate']:.6g}")
   return dataclasses.replace(base, arm=arm, max_iters=iters,
                              lr_decay_iters=iters, **hp)
 

@@ -369,7 +369,9 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   assert ad["widenings"] == 2 and ad["status"] == "finished"
   assert ad["chosen"] == {"learning_rate": 0.0333, "weight_decay": 0.1}
   assert sf["widenings"] == 3 and "edge after 3" in sf["status"]
-  assert sf["chosen"] == {"stiefel_learning_rate": 37.0, "max_step_norm": 1.0}
+  # its cap is relative: at lr 37 the ratio 0.0333 puts it nearest 1
+  assert sf["chosen"] == {"stiefel_learning_rate": 37.0,
+                          "max_step_ratio": 0.0333}
   tuned = [t for t in lm.plan(st, done, data) if t.arm == "stiefel"]
   assert all(t.cfg.learning_rate == 0.0333 and t.cfg.min_lr == 0.00333
              for t in tuned)
