@@ -146,7 +146,7 @@ class Arm(NamedTuple):
   hyperparameters tried on the validation split; None inherits the chosen
   point of `tune_from` (ablations change one ingredient at the tuned
   setting). An axis whose best value lies on its edge is extended
-  geometrically (`Bench.tuning`) until the best is interior. fixed:
+  geometrically (`benchmarks.study.tuning`) until the best is interior. fixed:
   hyperparameters of the recipe that are not tuned (e.g. eps).
   """
   name: str

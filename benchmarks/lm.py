@@ -91,7 +91,7 @@ the non-Q/K weights of these four on adamw's chosen lr and weight decay),
 tuning seeds
 100-102, a point's score the mean over them of the whole-split validation
 loss, each grid widened geometrically past an edge its best point lands on
-(at most 3 times; `study_lib.tuned_axes`). Tuning runs use the 500-iteration
+(at most 3 times; `benchmarks.study`). Tuning runs use the 500-iteration
 schedule (decay to 500) on which the earlier tuning was done. (3) Paired
 runs at the CPU config: adamw and stiefel at discovery seeds 0-7 and
 confirmation seeds 500-507, the other arms at 0-5 and 500-505, each
