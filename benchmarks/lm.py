@@ -81,30 +81,29 @@ same for every arm: the global norm of the whole gradient is clipped to
 invariant to the gradient's scale; RSGD and AdamW are not).
 
 The study (`--study`, `STUDY`; issue 14 under the fair-tuning rule of
-issue 12) turns the comparison into claims. (1) The nanoGPT reference:
-AdamW at nanoGPT's published settings, its own record (seeds 0-3), not the
-tuned adamw (if tuning lands on the same point the two share their runs).
-(2) Tuning on validation, every arm the same grid density: 3 half-decade
-points per hyperparameter (adamw, qk_norm and orthogonal_init: lr x weight
-decay; stiefel: Q/K lr x cap / Q/K lr; rsgd, stiefel_muon, muon: Q/K lr;
-the non-Q/K weights of these four on adamw's chosen lr and weight decay),
-tuning seeds
-100-102, a point's score the mean over them of the whole-split validation
-loss, each grid widened geometrically past an edge its best point lands on
-(at most 3 times; `benchmarks.study`). Tuning runs use the 500-iteration
-schedule (decay to 500) on which the earlier tuning was done. (3) Paired
-runs at the CPU config: adamw and stiefel at discovery seeds 0-7 and
-confirmation seeds 500-507, the other arms at 0-5 and 500-505, each
+issue 12) turns the comparison into claims. (1) The nanoGPT reference: AdamW
+at nanoGPT's published settings, its own record (seeds 0-3), not the tuned
+adamw (if tuning lands on the same point the two share their runs). (2)
+Tuning on validation, every arm the same grid density: 3 half-decade points
+per hyperparameter (adamw, qk_norm and orthogonal_init: lr x weight decay;
+stiefel: Q/K lr x cap / Q/K lr; rsgd, stiefel_muon, muon: Q/K lr; the
+non-Q/K weights of these four on adamw's chosen lr and weight decay), tuning
+seeds 100-102, a point's score the mean over them of the whole-split
+validation loss, each grid widened geometrically past an edge its best point
+lands on (at most 3 times; `benchmarks.study`). Tuning runs use the
+500-iteration schedule (decay to 500) on which the earlier tuning was done.
+(3) Paired runs at the CPU config: adamw and stiefel at discovery seeds 0-7
+and confirmation seeds 500-507, the other arms at 0-5 and 500-505, each
 arm's discovery seeds before its confirmation seeds, the main pair's before
 any other arm's tuning (`benchmarks.study`, the plan CIFAR shares). (4) The
-report: each arm
-against adamw and stiefel against each other arm, treatment - baseline in
-validation loss with its 95% CI, paired t, p, Holm-adjusted p across each
-table, wins and both arms' train loss, separately for discovery and
-confirmation seeds; a comparison is a finding only when its confirmation
-Holm p < 0.05 with the sign it had on discovery. The plan is a pure
-function of the finished runs, recomputed after each run: a rerun skips
-what is done, and `--study --report-only` regenerates the same bytes.
+report: each arm against adamw and stiefel against each other arm, treatment
+minus baseline in validation loss with its 95% CI, paired t, p,
+Holm-adjusted p across each table, wins and both arms' train loss,
+separately for discovery and confirmation seeds; a comparison is a finding
+only when its confirmation Holm p < 0.05 with the sign it had on discovery.
+The plan is a pure function of the finished runs, recomputed after each run:
+a rerun skips what is done, and `--study --report-only` regenerates the same
+bytes.
 
 Runs are saved per (arm, seed, configuration) under <out>/runs/, with a
 checkpoint while training, so a stopped study resumes; a saved run is reused
