@@ -1583,10 +1583,7 @@ def parse_args(argv):
   p.add_argument("--dry-run", action="store_true",
                  help="with --probe or --study: print the projection and"
                       " stop")
-  p.add_argument("--time-budget", type=float, default=0,
-                 help="seconds: start no seed (--study: no run) whose runs"
-                      " would end past it (estimated from the slowest seed"
-                      " so far; --study: from the runs' timing)")
+  harness.add_time_budget_arg(p, "seed (--study: no run)")
   p.add_argument("--note", default="",
                  help="text written to <out>/notes.md (in every report)")
   p.add_argument("--quiet", action="store_true")

@@ -286,7 +286,8 @@ def _tuned(study: Study, runs: Finished, arm: str, assume: bool):
   c = choice(study, runs, arm, assume)
   if c is None:
     return tasks, None
-  return tasks, (*c, choice(study, runs, arm) is None)
+  # Without assume the choice is made; with it, it may be a guess.
+  return tasks, (*c, assume and choice(study, runs, arm) is None)
 
 
 def stages(study: Study, runs: Finished, assume: bool = False) -> list:
