@@ -33,7 +33,7 @@ import json
 import os
 import pathlib
 import time
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -619,17 +619,23 @@ def final_losses(recs, arm: str, n: int, block: str = "discovery") -> dict:
           and harness.seed_block(r["seed"]) == block}
 
 
+def comparison_rows(recs, pairs: Sequence[Mapping],
+                    block: str = "discovery") -> list:
+  """`stats.comparison_rows` of test accuracy (pp) over the seeds of `block`
+  (discovery or confirmation) both arms finished at the comparison's
+  size."""
+  return stats.comparison_rows(
+      pairs, lambda c, arm: accuracies(recs, arm, c["size"], block),
+      lambda c, arm: final_losses(recs, arm, c["size"], block))
+
+
 def compare(recs, treatment: str, baseline: str, n: int,
             block: str = "discovery") -> Optional[dict]:
-  """`stats.paired_row` of test accuracy (pp) over the seeds of `block`
-  (discovery or confirmation) both arms finished at n."""
-  row = stats.paired_row(
-      accuracies(recs, treatment, n, block), accuracies(recs, baseline, n, block),
-      final_losses(recs, treatment, n, block),
-      final_losses(recs, baseline, n, block))
-  if row is not None:
-    row.update(treatment=treatment, baseline=baseline, size=n)
-  return row
+  """The one comparison of treatment against baseline at n (None: no
+  common seed)."""
+  rows = comparison_rows(
+      recs, [dict(treatment=treatment, baseline=baseline, size=n)], block)
+  return rows[0] if rows else None
 
 
 # What makes two rows of a comparison table the same comparison.
@@ -640,15 +646,10 @@ def comparisons(recs, block: str = "discovery") -> list:
   """stiefel vs adamw at every n; each other arm vs adamw and vs stiefel
   at every n where it ran; Holm-adjusted across them."""
   sizes = sorted({r["n"] for r in recs if r["kind"] == "run"})
-  rows = []
-  for n in sizes:
-    for arm in ARMS:
-      if arm == "adamw":
-        continue
-      for base in ("adamw", "stiefel"):
-        if base != arm and (row := compare(recs, arm, base, n, block)) is not None:
-          rows.append(row)
-  return stats.with_holm(rows)
+  return comparison_rows(
+      recs, [dict(treatment=arm, baseline=base, size=n) for n in sizes
+             for arm in ARMS if arm != "adamw"
+             for base in ("adamw", "stiefel") if base != arm], block)
 
 
 def chosen_table(recs) -> dict:
@@ -662,21 +663,8 @@ def chosen_table(recs) -> dict:
           for a, g in accs.items()}
 
 
-def fmt(x, nd=2):
-  return "nan" if x is None or not np.isfinite(x) else f"{x:+.{nd}f}"
-
-
 def markdown_table(rows) -> str:
-  return "\n".join(harness.markdown_table(
-      ["treatment", "baseline", "n", "pairs", "treatment acc % (train loss)",
-       "baseline acc % (train loss)", "gain pp [95% CI]", "paired t", "p",
-       "Holm p", "wins"], "llrrrrlrrrr",
-      [[r["treatment"], r["baseline"], r["size"], r["n"],
-        f"{r['mean_treatment']:.2f} ({r['loss_treatment']:.3f})",
-        f"{r['mean_baseline']:.2f} ({r['loss_baseline']:.3f})",
-        f"{fmt(r['mean_diff'])} [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]",
-        f"{r['t']:.2f}", f"{r['p']:.2g}", f"{r['p_holm']:.2g}",
-        f"{r['wins']}/{r['n']}"] for r in rows]))
+  return "\n".join(harness.comparison_lines(rows, "acc %", size="n"))
 
 
 # The paper's Stiefel - AdamW gains (pp) by training-set size.
@@ -829,9 +817,9 @@ def paper_comparisons(recs) -> list:
 def _ours(r) -> str:
   if r is None:
     return "not run"
-  return (f"{fmt(r['mean_diff'])} pp [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]"
-          f" at n = {r['size']}, t = {r['t']:.2f}, p = {r['p']:.2g},"
-          f" Holm p = {r['p_holm']:.2g}, wins {r['wins']}/{r['n']}")
+  return (f"{harness.fmt_diff(r, 2, 'pp')} at n = {r['size']}, t ="
+          f" {r['t']:.2f}, p = {harness.fmt_p(r['p'])}, Holm p ="
+          f" {harness.fmt_p(r['p_holm'])}, wins {r['wins']}/{r['n']}")
 
 
 def paper_table(rows) -> str:
@@ -877,9 +865,7 @@ def claims_text(summary: dict) -> str:
   lines = [head + f" Confirmation seeds run: {seeds.get('confirmation')};"
            f" {len(found)} of {len(conf)} comparisons confirmed (Holm p < 0.05"
            " on the confirmation seeds, same sign as on discovery):"]
-  lines += [f"- {r['treatment']} - {r['baseline']}, n = {r['size']}:"
-            f" {fmt(r['mean_diff'])} pp [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}],"
-            f" Holm p = {r['p_holm']:.2g}, wins {r['wins']}/{r['n']}" for r in found]
+  lines += [f"- {harness.finding_text(r, 'pp', size='n')}" for r in found]
   lines += ["", "Confirmation runs, all comparisons:", "", markdown_table(conf)]
   return "\n".join(lines)
 

@@ -352,6 +352,52 @@ def markdown_table(header: Sequence[str], align: str,
           + [line(r) for r in rows])
 
 
+def fmt_p(p: float) -> str:
+  """A p-value in two significant digits ("n/a": no test)."""
+  return "n/a" if not np.isfinite(p) else f"{p:.2g}"
+
+
+def fmt_diff(r: Mapping, digits: int, unit: str = "") -> str:
+  """A row's treatment - baseline with its 95% CI: '+1.20 pp [+0.30,
+  +2.10]'."""
+  f = lambda x: f"{x:+.{digits}f}" if np.isfinite(x) else "nan"
+  return (f"{f(r['mean_diff'])}{' ' + unit if unit else ''}"
+          f" [{f(r['ci_low'])}, {f(r['ci_high'])}]")
+
+
+def comparison_lines(rows: Sequence[Mapping], metric: str, digits: int = 2,
+                     loss_digits: int = 3, size: Optional[str] = None
+                     ) -> list:
+  """The lines of a paired-comparison table (`stats.comparison_rows`): per
+  row the arms, (with `size`, a column so headed holding the row's
+  'size'), the seeds, both arms' mean `metric` with their mean training
+  loss in brackets (the regime each is in), treatment - baseline with its
+  95% CI, paired t and p, Holm p across the table and the seeds the
+  treatment wins."""
+  sized = [size] if size else []
+  return markdown_table(
+      ["treatment", "baseline", *sized, "seeds", f"treatment {metric} (train"
+       " loss)", f"baseline {metric} (train loss)", "difference [95% CI]",
+       "t", "p", "p (Holm)", "wins"], "ll" + "r" * len(sized) + "lrrlrrrr",
+      [[r["treatment"], r["baseline"], *([r["size"]] if size else []),
+        format_seeds(r["seeds"]),
+        f"{r['mean_treatment']:.{digits}f} ({r['loss_treatment']:.{loss_digits}f})",
+        f"{r['mean_baseline']:.{digits}f} ({r['loss_baseline']:.{loss_digits}f})",
+        fmt_diff(r, digits), f"{r['t']:.2f}" if np.isfinite(r["t"]) else "",
+        fmt_p(r["p"]), fmt_p(r["p_holm"]), f"{r['wins']}/{r['n']}"]
+       for r in rows])
+
+
+def finding_text(r: Mapping, unit: str, digits: int = 2,
+                 size: Optional[str] = None) -> str:
+  """One comparison in a sentence: 'stiefel - adamw, n = 1000: +1.20 pp
+  [+0.30, +2.10], Holm p 0.012, wins 7/8' (`size`: the size's name)."""
+  where = f", {size} = {r['size']}" if size else ""
+  return (f"{r['treatment']} - {r['baseline']}{where}:"
+          f" {fmt_diff(r, digits, unit)}, Holm p {fmt_p(r['p_holm'])}, wins"
+          f" {r['wins']}/{r['n']}")
+
+
 def pyplot():
   """matplotlib.pyplot on the Agg backend (no display)."""
   import matplotlib  # pylint: disable=g-import-not-at-top

@@ -729,10 +729,6 @@ def reference_checks(gs: dict) -> list:
   return out
 
 
-def fmt_p(p):
-  return "n/a" if not np.isfinite(p) else f"{p:.3g}"
-
-
 def setting_tables(gs: dict, refs: list, comps: list) -> list:
   """The lines of the reference check (refs), then one table of runs per
   setting with its paired comparisons (comps)."""
@@ -802,8 +798,8 @@ def setting_tables(gs: dict, refs: list, comps: list) -> list:
           [[c["arm"], c["baseline"], harness.format_seeds(c["seeds"]),
             "+".join(c["blocks"]), f"{c['mean_diff']:+.4f}",
             f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]",
-            f"{c['wins']}/{len(c['seeds'])}", f"{c['t']:.2f}", fmt_p(c["p"]),
-            fmt_p(c["p_holm"])] for c in here])
+            f"{c['wins']}/{len(c['seeds'])}", f"{c['t']:.2f}",
+            harness.fmt_p(c["p"]), harness.fmt_p(c["p_holm"])] for c in here])
     lines.append("")
   return lines
 
@@ -1362,27 +1358,17 @@ def comparison_pairs(study: Study) -> list:
   return out
 
 
-def paired_losses(treat: Mapping, base: Mapping, block: str) -> Optional[dict]:
-  """`stats.paired_row` of whole-split validation loss over the seeds of
-  `block` both have (mean_diff treatment - baseline, negative favours the
-  treatment; wins: seeds where the treatment's loss is lower), with both
-  arms' mean train loss."""
-  pick = lambda runs, key: {s: r["final"][key] for s, r in runs.items()
-                            if harness.seed_block(s) == block}
-  return stats.paired_row(pick(treat, "val_loss_full"),
-                          pick(base, "val_loss_full"),
-                          pick(treat, "train_loss"), pick(base, "train_loss"),
-                          lower_is_better=True)
-
-
 def comparison_table(study: Study, runs: Mapping, block: str) -> list:
-  """The block's rows, Holm-adjusted across the table."""
-  rows = []
-  for treat, base in comparison_pairs(study):
-    r = paired_losses(runs.get(treat, {}), runs.get(base, {}), block)
-    if r is not None:
-      rows.append(dict(treatment=treat, baseline=base, **r))
-  return stats.with_holm(rows)
+  """`stats.comparison_rows` of whole-split validation loss (treatment -
+  baseline, negative favours the treatment) over the seeds of `block` both
+  arms have, with their train losses; Holm-adjusted across the table."""
+  pick = lambda arm, key: {s: r["final"][key]
+                           for s, r in runs.get(arm, {}).items()
+                           if harness.seed_block(s) == block}
+  return stats.comparison_rows(
+      [dict(treatment=t, baseline=b) for t, b in comparison_pairs(study)],
+      lambda c, arm: pick(arm, "val_loss_full"),
+      lambda c, arm: pick(arm, "train_loss"), lower_is_better=True)
 
 
 def study_summary(study: Study, done: Mapping, data_id: str) -> dict:
@@ -1448,9 +1434,7 @@ def study_markdown(study: Study, s: dict) -> list:
   if s["findings"]:
     lines += ["Findings (confirmed under the claims policy: Holm p < 0.05 on"
               " the confirmation seeds, the same sign as on discovery):", ""]
-    lines += [f"- {r['treatment']} vs {r['baseline']}: {r['mean_diff']:+.4f}"
-              f" [{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] in validation loss"
-              f" (Holm p {fmt_p(r['p_holm'])}, {r['wins']}/{r['n']} seeds)"
+    lines += [f"- {harness.finding_text(r, 'in val loss', 4)}"
               for r in s["findings"]]
   else:
     lines.append("Findings: none" + ("." if s["complete"] else
@@ -1533,16 +1517,7 @@ def study_markdown(study: Study, s: dict) -> list:
     if not rows:
       lines += ["(no paired runs yet)", ""]
       continue
-    lines += harness.markdown_table(
-        ["treatment", "baseline", "seeds", "treatment val (train)",
-         "baseline val (train)", "difference [95% CI]", "t", "p", "p (Holm)",
-         "wins"], "lllrrlrrrl",
-        [[r["treatment"], r["baseline"], seeds(r["seeds"]),
-          f"{r['mean_treatment']:.4f} ({r['loss_treatment']:.4f})",
-          f"{r['mean_baseline']:.4f} ({r['loss_baseline']:.4f})",
-          f"{r['mean_diff']:+.4f} [{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]",
-          "" if not np.isfinite(r["t"]) else f"{r['t']:.2f}", fmt_p(r["p"]),
-          fmt_p(r["p_holm"]), f"{r['wins']}/{r['n']}"] for r in rows]) + [""]
+    lines += harness.comparison_lines(rows, "val", 4, 4) + [""]
   return lines
 
 

@@ -294,6 +294,33 @@ def test_paired_row_keeps_treatment_minus_baseline_and_counts_better_seeds():
   assert stats.paired_row({0: 1.0}, {1: 1.0}) is None
 
 
+def test_comparison_rows_holm_across_the_table_and_one_rendering():
+  acc = {"a": {0: 0.6, 1: 0.7, 2: 0.9}, "b": {0: 0.5, 1: 0.5, 2: 0.6},
+         "c": {5: 0.1}}                          # c shares no seed with a
+  loss = {"a": {0: 1.0, 1: 1.0, 2: 1.0}, "b": {0: 2.0, 1: 2.0, 2: 2.0},
+          "c": {5: 3.0}}
+  pairs = [dict(treatment="a", baseline="b", size=10),
+           dict(treatment="b", baseline="a", size=10),
+           dict(treatment="a", baseline="c", size=10)]
+  rows = stats.comparison_rows(pairs, lambda c, arm: acc[arm],
+                               lambda c, arm: loss[arm])
+  assert [(r["treatment"], r["baseline"], r["size"]) for r in rows] == [
+      ("a", "b", 10), ("b", "a", 10)]            # no common seed: left out
+  assert rows[0]["mean_diff"] == pytest.approx(0.2)
+  assert rows[1]["mean_diff"] == pytest.approx(-0.2)
+  assert (rows[0]["wins"], rows[1]["wins"]) == (3, 0)
+  assert rows[0]["p_holm"] == pytest.approx(min(1.0, 2 * rows[0]["p"]))
+  low = stats.comparison_rows(pairs[:1], lambda c, arm: loss[arm],
+                              lower_is_better=True)
+  assert low[0]["wins"] == 3 and low[0]["mean_diff"] == pytest.approx(-1.0)
+  lines = harness.comparison_lines(rows, "acc %", size="n")
+  assert lines[0].startswith("| treatment | baseline | n | seeds |")
+  assert "| a | b | 10 | 0-2 | 0.73 (1.000) | 0.53 (2.000) | +0.20 [" in lines[2]
+  assert lines[2].endswith("| 3/3 |") and len(lines) == 4
+  assert harness.finding_text(rows[0], "pp", size="n").startswith(
+      "a - b, n = 10: +0.20 pp [")
+
+
 def _row(t, n, diff, p, seeds):
   return dict(treatment=t, baseline="adamw", size=n, mean_diff=diff, p=p,
               seeds=seeds)
