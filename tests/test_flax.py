@@ -281,11 +281,11 @@ def test_weight_decay_leaves_frames_untouched(linen_params):
       p = optax.apply_updates(p, u)
     return _leaves_by_path(p)
 
-  def run_default(weight_decay):           # the plain factory, eagerly
+  def run_default(weight_decay):           # the plain factory, a float decay
     tx = so.stiefel_attention(LR, weight_decay=weight_decay)
-    p, state = params, tx.init(params)
+    p, state, update = params, tx.init(params), jax.jit(tx.update)
     for t in range(3):
-      u, state = tx.update(_grads_like(params, t), state, p)
+      u, state = update(_grads_like(params, t), state, p)
       p = optax.apply_updates(p, u)
     return _leaves_by_path(p)
 

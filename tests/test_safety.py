@@ -257,7 +257,7 @@ def names_both(info, fn, a, b):
   assert str(tuple(a)) in msg and str(tuple(b)) in msg, msg
 
 
-@settings(max_examples=100, deadline=None, print_blob=True)
+@SETTINGS
 @given(mismatched())
 def test_mismatched_shapes_raise_naming_both(shapes):
   """project_tangent and retract never broadcast W against G or xi, and
