@@ -552,17 +552,16 @@ def estimate(bench: Bench, study: study_lib.Study) -> dict:
   """The study's unfinished runs (every point of each tuning grid as far
   as it has widened, every paired run) and their expected wall seconds
   (`Bench.expected_s`)."""
-  left = study_lib.remaining(study, bench.finished(), assume=True)
-  secs = [bench.expected_s(t) for t in left]
-  return {"tune": sum(t.stage == "tune" for t in left),
-          "run": sum(t.stage != "tune" for t in left),
-          "seconds": sum(x or 0.0 for x in secs),
-          "untimed": sum(x is None for x in secs)}
+  return study_lib.estimate(
+      study_lib.remaining(study, bench.finished(), assume=True),
+      bench.expected_s)
 
 
 def estimate_text(est: dict) -> str:
-  text = (f"to do: {est['tune']} tuning and {est['run']} paired runs,"
-          f" about {est['seconds'] / 3600:.1f} h on this machine (from the"
+  r = est["runs"]
+  text = (f"to do: {r['tune']} tuning and"
+          f" {r['discovery'] + r['confirmation']} paired runs, about"
+          f" {est['total_seconds'] / 3600:.1f} h on this machine (from the"
           " finished runs' wall times; a tuning grid that widens adds"
           " more; runs waiting on a choice counted at its grid's centre)")
   if est["untimed"]:

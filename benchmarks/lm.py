@@ -1198,27 +1198,24 @@ def estimate(study: Study, done: Mapping, data_id: str, rates: Mapping,
              probed: Optional[tuple] = None) -> dict:
   """The runs left to do per stage and their expected wall seconds (None
   where no run of that size has been timed), and the widening bound."""
-  tasks = remaining(study, done, data_id, assume=True)
-  runs = {st: sum(t.stage == st for t in tasks) for st in STAGES}
-  secs = [run_seconds(t.cfg, rates, probed) for t in tasks]
-  if probed is not None:   # one compilation per configuration, not per run
-    first = {}
-    for i, t in enumerate(tasks):
-      first.setdefault(train_config(t.cfg), i)
-    for i in first.values():
-      secs[i] += probed[1]
-  seconds = {st: sum(s or 0.0 for t, s in zip(tasks, secs) if t.stage == st)
-             for st in STAGES}
+  compiled = set()
+
+  def expected_s(task: Task) -> Optional[float]:
+    s = run_seconds(task.cfg, rates, probed)
+    if probed is not None and train_config(task.cfg) not in compiled:
+      compiled.add(train_config(task.cfg))   # one compilation per config
+      s += probed[1]
+    return s
+
+  est = study_lib.estimate(remaining(study, done, data_id, assume=True),
+                           expected_s, STAGES)
   widen = widening_bound(study, done, data_id)
   wruns = sum(n * len(study.tune_seeds) for _, n in widen)
   compile_s = 0.0 if probed is None else probed[1]
   wsecs = sum(n * (len(study.tune_seeds)
                    * (run_seconds(t.cfg, rates, probed) or 0.0) + compile_s)
               for t, n in widen)
-  return dict(runs=runs, seconds=seconds, untimed=sum(s is None for s in secs),
-              provisional=sum(t.provisional for t in tasks),
-              widening_runs=wruns, widening_seconds=wsecs,
-              total_runs=len(tasks), total_seconds=sum(seconds.values()),
+  return dict(est, widening_runs=wruns, widening_seconds=wsecs,
               source="probe" if probed else "records")
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Callable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -333,6 +333,22 @@ def remaining(study: Study, runs: Finished, assume: bool = False, first=(),
   """The plan's runs that are not finished."""
   return [t for t in plan(study, runs, assume, first, name)
           if runs.record(t) is None]
+
+
+def estimate(tasks: Sequence, expected_s: Callable[[Any], Optional[float]],
+             stages_: Sequence[str] = STAGES) -> dict:
+  """The runs of `tasks` (anything with a stage and provisional flag, e.g.
+  `remaining(..., assume=True)`) per stage of `stages_` and their expected
+  wall seconds (expected_s(task), called in task order; None: untimed,
+  counted as 0 s), with how many are untimed and how many stand in for a
+  choice not yet made."""
+  secs = [expected_s(t) for t in tasks]
+  seconds = {st: sum(x or 0.0 for t, x in zip(tasks, secs) if t.stage == st)
+             for st in stages_}
+  return dict(runs={st: sum(t.stage == st for t in tasks) for st in stages_},
+              seconds=seconds, untimed=sum(x is None for x in secs),
+              provisional=sum(bool(t.provisional) for t in tasks),
+              total_runs=len(tasks), total_seconds=sum(seconds.values()))
 
 
 # --------------------------------------------------------------------------

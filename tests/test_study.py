@@ -107,6 +107,15 @@ def test_assume_lists_the_whole_study_with_guesses_marked():
   assert all(t.provisional for t in whole if t.stage != "tune")
   assert {t.point["lr"] for t in whole if t.arm == "stiefel"
           and t.stage == "discovery"} == {0.3}
+  # the estimate counts the same runs; untimed ones (None) count 0 s
+  est = S.estimate(whole, lambda t: None if t.arm == "own" else (
+      10.0 if t.stage == "tune" else t.size / 100))
+  assert est["runs"] == counts and est["total_runs"] == len(whole)
+  assert est["untimed"] == sum(t.arm == "own" for t in whole) == 6 + 2
+  assert est["provisional"] == sum(t.provisional for t in whole)
+  assert est["seconds"]["tune"] == 10.0 * 12
+  assert est["seconds"]["discovery"] == 4 * (40 + 10) + 2 * 40
+  assert est["total_seconds"] == sum(est["seconds"].values())
 
 
 def test_an_arm_in_the_study_for_its_choice_is_tuned_not_paired():
