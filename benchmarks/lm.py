@@ -681,31 +681,30 @@ def comparisons(gs: dict) -> list:
   Euclidean group keeps its own), paired over their common seeds
   (val_loss_full, arm - adamw: negative favours the arm), Holm-adjusted
   across the list."""
-  out = []
   drop = lambda c: {k: v for k, v in shared(c).items() if k not in LR_FIELDS}
+  pairs = []
   for key, g in gs.items():
     if g["config"]["arm"] == "adamw":
       continue
-    for base in gs.values():
+    for bkey, base in gs.items():
       if (base["config"]["arm"] != "adamw" or base["data"] != g["data"]
-          or drop(base["config"]) != drop(g["config"])):
+          or drop(base["config"]) != drop(g["config"])
+          or len(set(g["runs"]) & set(base["runs"])) < 2):
         continue
-      seeds = sorted(set(g["runs"]) & set(base["runs"]))
-      if len(seeds) < 2:
-        continue
-      a = [g["runs"][s]["final"]["val_loss_full"] for s in seeds]
-      b = [base["runs"][s]["final"]["val_loss_full"] for s in seeds]
-      c = stats.paired_comparison(b, a)   # wins: the arm's loss is lower
       bc = base["config"]
-      out.append(dict(
-          arm=arm_label(g["config"]), group=key,
-          baseline=f"adamw lr {bc['learning_rate']:g}",
-          same_lr=bc["learning_rate"] == g["config"]["learning_rate"],
-          seeds=seeds, blocks=sorted({harness.seed_block(s) for s in seeds}),
-          mean_diff=-c["mean_diff"], ci_low=-c["ci_high"],
-          ci_high=-c["ci_low"], t=-c["t"], p=c["p"], wins=c["wins"],
-          losses=c["losses"]))
-  return stats.with_holm(out)
+      pairs.append(dict(
+          treatment=arm_label(g["config"]),
+          baseline=f"adamw lr {bc['learning_rate']:g}", group=key,
+          base_group=bkey,
+          same_lr=bc["learning_rate"] == g["config"]["learning_rate"]))
+  rows = stats.comparison_rows(
+      pairs, lambda c, arm: {
+          s: r["final"]["val_loss_full"] for s, r in gs[
+              c["group"] if arm == c["treatment"] else c["base_group"]
+          ]["runs"].items()}, lower_is_better=True)
+  for r in rows:
+    r["blocks"] = sorted({harness.seed_block(s) for s in r["seeds"]})
+  return rows
 
 
 def reference_checks(gs: dict) -> list:
@@ -795,7 +794,7 @@ def setting_tables(gs: dict, refs: list, comps: list) -> list:
       lines += harness.markdown_table(
           ["arm", "baseline", "seeds", "block", "mean diff", "95% CI", "wins",
            "t", "p", "p (Holm)"], "llllrllrrr",
-          [[c["arm"], c["baseline"], harness.format_seeds(c["seeds"]),
+          [[c["treatment"], c["baseline"], harness.format_seeds(c["seeds"]),
             "+".join(c["blocks"]), f"{c['mean_diff']:+.4f}",
             f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]",
             f"{c['wins']}/{len(c['seeds'])}", f"{c['t']:.2f}",
