@@ -624,8 +624,8 @@ def comparison_rows(recs, pairs: Sequence[Mapping],
   (discovery or confirmation) both arms finished at the comparison's
   size."""
   return stats.comparison_rows(
-      pairs, lambda c, arm: accuracies(recs, arm, c["size"], block),
-      lambda c, arm: final_losses(recs, arm, c["size"], block))
+      pairs, lambda c, role: accuracies(recs, c[role], c["size"], block),
+      lambda c, role: final_losses(recs, c[role], c["size"], block))
 
 
 def compare(recs, treatment: str, baseline: str, n: int,
@@ -817,7 +817,7 @@ def _ours(r) -> str:
   if r is None:
     return "not run"
   return (f"{harness.fmt_diff(r, 2, 'pp')} at n = {r['size']}, t ="
-          f" {r['t']:.2f}, p = {harness.fmt_p(r['p'])}, Holm p ="
+          f" {harness.fmt_t(r['t']) or 'n/a'}, p = {harness.fmt_p(r['p'])}, Holm p ="
           f" {harness.fmt_p(r['p_holm'])}, wins {r['wins']}/{r['n']}")
 
 

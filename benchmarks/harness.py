@@ -357,6 +357,11 @@ def fmt_p(p: float) -> str:
   return "n/a" if not np.isfinite(p) else f"{p:.2g}"
 
 
+def fmt_t(t: float) -> str:
+  """A t statistic ("": no test)."""
+  return f"{t:.2f}" if np.isfinite(t) else ""
+
+
 def fmt_diff(r: Mapping, digits: int, unit: str = "") -> str:
   """A row's treatment - baseline with its 95% CI: '+1.20 pp [+0.30,
   +2.10]'."""
@@ -383,7 +388,7 @@ def comparison_lines(rows: Sequence[Mapping], metric: str, digits: int = 2,
         format_seeds(r["seeds"]),
         f"{r['mean_treatment']:.{digits}f} ({r['loss_treatment']:.{loss_digits}f})",
         f"{r['mean_baseline']:.{digits}f} ({r['loss_baseline']:.{loss_digits}f})",
-        fmt_diff(r, digits), f"{r['t']:.2f}" if np.isfinite(r["t"]) else "",
+        fmt_diff(r, digits), fmt_t(r["t"]),
         fmt_p(r["p"]), fmt_p(r["p_holm"]), f"{r['wins']}/{r['n']}"]
        for r in rows])
 
@@ -391,10 +396,10 @@ def comparison_lines(rows: Sequence[Mapping], metric: str, digits: int = 2,
 def finding_text(r: Mapping, unit: str, digits: int = 2,
                  size: Optional[str] = None) -> str:
   """One comparison in a sentence: 'stiefel - adamw, n = 1000: +1.20 pp
-  [+0.30, +2.10], Holm p 0.012, wins 7/8' (`size`: the size's name)."""
+  [+0.30, +2.10], Holm p = 0.012, wins 7/8' (`size`: the size's name)."""
   where = f", {size} = {r['size']}" if size else ""
   return (f"{r['treatment']} - {r['baseline']}{where}:"
-          f" {fmt_diff(r, digits, unit)}, Holm p {fmt_p(r['p_holm'])}, wins"
+          f" {fmt_diff(r, digits, unit)}, Holm p = {fmt_p(r['p_holm'])}, wins"
           f" {r['wins']}/{r['n']}")
 
 

@@ -697,11 +697,11 @@ def comparisons(gs: dict) -> list:
           baseline=f"adamw lr {bc['learning_rate']:g}", group=key,
           base_group=bkey,
           same_lr=bc["learning_rate"] == g["config"]["learning_rate"]))
+  group = {"treatment": "group", "baseline": "base_group"}
   rows = stats.comparison_rows(
-      pairs, lambda c, arm: {
-          s: r["final"]["val_loss_full"] for s, r in gs[
-              c["group"] if arm == c["treatment"] else c["base_group"]
-          ]["runs"].items()}, lower_is_better=True)
+      pairs, lambda c, role: {s: r["final"]["val_loss_full"] for s, r in
+                              gs[c[group[role]]]["runs"].items()},
+      lower_is_better=True)
   for r in rows:
     r["blocks"] = sorted({harness.seed_block(s) for s in r["seeds"]})
   return rows
@@ -792,12 +792,11 @@ def setting_tables(gs: dict, refs: list, comps: list) -> list:
                 " each arm against every adamw lr run on the same seeds;"
                 " Holm across every comparison of this report):", ""]
       lines += harness.markdown_table(
-          ["arm", "baseline", "seeds", "block", "mean diff", "95% CI", "wins",
-           "t", "p", "p (Holm)"], "llllrllrrr",
+          ["arm", "baseline", "seeds", "block", "difference [95% CI]", "wins",
+           "t", "p", "p (Holm)"], "lllllrrrr",
           [[c["treatment"], c["baseline"], harness.format_seeds(c["seeds"]),
-            "+".join(c["blocks"]), f"{c['mean_diff']:+.4f}",
-            f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]",
-            f"{c['wins']}/{len(c['seeds'])}", f"{c['t']:.2f}",
+            "+".join(c["blocks"]), harness.fmt_diff(c, 4),
+            f"{c['wins']}/{c['n']}", harness.fmt_t(c["t"]),
             harness.fmt_p(c["p"]), harness.fmt_p(c["p_holm"])] for c in here])
     lines.append("")
   return lines
@@ -1363,8 +1362,8 @@ def comparison_table(study: Study, runs: Mapping, block: str) -> list:
                            if harness.seed_block(s) == block}
   return stats.comparison_rows(
       [dict(treatment=t, baseline=b) for t, b in comparison_pairs(study)],
-      lambda c, arm: pick(arm, "val_loss_full"),
-      lambda c, arm: pick(arm, "train_loss"), lower_is_better=True)
+      lambda c, role: pick(c[role], "val_loss_full"),
+      lambda c, role: pick(c[role], "train_loss"), lower_is_better=True)
 
 
 def study_summary(study: Study, done: Mapping, data_id: str) -> dict:
@@ -1429,8 +1428,9 @@ def study_markdown(study: Study, s: dict) -> list:
       + ".", ""]
   if s["findings"]:
     lines += ["Findings (confirmed under the claims policy: Holm p < 0.05 on"
-              " the confirmation seeds, the same sign as on discovery):", ""]
-    lines += [f"- {harness.finding_text(r, 'in val loss', 4)}"
+              " the confirmation seeds, the same sign as on discovery;"
+              " differences in whole-split validation loss):", ""]
+    lines += [f"- {harness.finding_text(r, '', 4)}"
               for r in s["findings"]]
   else:
     lines.append("Findings: none" + ("." if s["complete"] else

@@ -70,28 +70,30 @@ def paired_row(treatment: Mapping[int, float], baseline: Mapping[int, float],
   return row
 
 
+ROLES = ("treatment", "baseline")
+
+
 def comparison_rows(pairs: Sequence[Mapping], score, loss=None, *,
                     lower_is_better: bool = False) -> list:
   """One comparison table: for each comparison of `pairs` (a dict naming
   its 'treatment' and 'baseline' arms, and whatever else tells it apart,
-  e.g. a 'size'), the `paired_row` of score(comparison, arm) ({seed:
-  metric}) of its two arms, with loss(comparison, arm) ({seed: training
-  loss}) beside; a comparison without a common seed is left out; p-values
-  Holm-adjusted across the table (`with_holm`).
+  e.g. a 'size'), the `paired_row` of score(comparison, role) ({seed:
+  metric} of the arm in that role, "treatment" or "baseline"), with
+  loss(comparison, role) ({seed: training loss}) beside; a comparison
+  without a common seed is left out; p-values Holm-adjusted across the
+  table (`with_holm`).
 
   >>> acc = {"a": {0: 0.6, 1: 0.7}, "b": {0: 0.5, 1: 0.5}}
   >>> [r] = comparison_rows([dict(treatment="a", baseline="b")],
-  ...                       lambda c, arm: acc[arm])
+  ...                       lambda c, role: acc[c[role]])
   >>> r["treatment"], round(r["mean_diff"], 3), r["wins"]
   ('a', 0.15, 2)
   """
   rows = []
   for c in pairs:
-    t, b = c["treatment"], c["baseline"]
-    row = paired_row(score(c, t), score(c, b),
-                     None if loss is None else loss(c, t),
-                     None if loss is None else loss(c, b),
-                     lower_is_better=lower_is_better)
+    scores = [score(c, role) for role in ROLES]
+    losses = [None if loss is None else loss(c, role) for role in ROLES]
+    row = paired_row(*scores, *losses, lower_is_better=lower_is_better)
     if row is not None:
       rows.append({**c, **row})
   return with_holm(rows)

@@ -302,15 +302,15 @@ def test_comparison_rows_holm_across_the_table_and_one_rendering():
   pairs = [dict(treatment="a", baseline="b", size=10),
            dict(treatment="b", baseline="a", size=10),
            dict(treatment="a", baseline="c", size=10)]
-  rows = stats.comparison_rows(pairs, lambda c, arm: acc[arm],
-                               lambda c, arm: loss[arm])
+  rows = stats.comparison_rows(pairs, lambda c, role: acc[c[role]],
+                               lambda c, role: loss[c[role]])
   assert [(r["treatment"], r["baseline"], r["size"]) for r in rows] == [
       ("a", "b", 10), ("b", "a", 10)]            # no common seed: left out
   assert rows[0]["mean_diff"] == pytest.approx(0.2)
   assert rows[1]["mean_diff"] == pytest.approx(-0.2)
   assert (rows[0]["wins"], rows[1]["wins"]) == (3, 0)
   assert rows[0]["p_holm"] == pytest.approx(min(1.0, 2 * rows[0]["p"]))
-  low = stats.comparison_rows(pairs[:1], lambda c, arm: loss[arm],
+  low = stats.comparison_rows(pairs[:1], lambda c, role: loss[c[role]],
                               lower_is_better=True)
   assert low[0]["wins"] == 3 and low[0]["mean_diff"] == pytest.approx(-1.0)
   lines = harness.comparison_lines(rows, "acc %", size="n")
