@@ -642,13 +642,13 @@ COMPARISON_KEY = ("treatment", "baseline", "size")
 
 
 def comparisons(recs, block: str = "discovery") -> list:
-  """stiefel vs adamw at every n; each other arm vs adamw and vs stiefel
-  at every n where it ran; Holm-adjusted across them."""
+  """At every n, each arm against adamw, then stiefel against each other
+  arm (`study_lib.comparison_pairs`), where both ran; Holm-adjusted across
+  them."""
   sizes = sorted({r["n"] for r in recs if r["kind"] == "run"})
   return comparison_rows(
-      recs, [dict(treatment=arm, baseline=base, size=n) for n in sizes
-             for arm in ARMS if arm != "adamw"
-             for base in ("adamw", "stiefel") if base != arm], block)
+      recs, [dict(treatment=t, baseline=b, size=n) for n in sizes
+             for t, b in study_lib.comparison_pairs(list(ARMS))], block)
 
 
 def chosen_table(recs) -> dict:

@@ -1343,16 +1343,6 @@ def paired_runs(study: Study, arm: str, done: Mapping, data_id: str) -> dict:
           if (n := run_name(cfg, s, data_id)) in done}
 
 
-def comparison_pairs(study: Study) -> list:
-  """(treatment, baseline): each arm against adamw, then stiefel against
-  each other arm (the constraint against the alternatives to it)."""
-  arms = study.arms
-  out = [(a, "adamw") for a in arms if a != "adamw"]
-  if "stiefel" in arms:
-    out += [("stiefel", a) for a in arms if a not in ("adamw", "stiefel")]
-  return out
-
-
 def comparison_table(study: Study, runs: Mapping, block: str) -> list:
   """`stats.comparison_rows` of whole-split validation loss (treatment -
   baseline, negative favours the treatment) over the seeds of `block` both
@@ -1361,7 +1351,8 @@ def comparison_table(study: Study, runs: Mapping, block: str) -> list:
                            for s, r in runs.get(arm, {}).items()
                            if harness.seed_block(s) == block}
   return stats.comparison_rows(
-      [dict(treatment=t, baseline=b) for t, b in comparison_pairs(study)],
+      [dict(treatment=t, baseline=b)
+       for t, b in study_lib.comparison_pairs(study.arms)],
       lambda c, role: pick(c[role], "val_loss_full"),
       lambda c, role: pick(c[role], "train_loss"), lower_is_better=True)
 

@@ -335,6 +335,18 @@ def remaining(study: Study, runs: Finished, assume: bool = False, first=(),
           if runs.record(t) is None]
 
 
+def comparison_pairs(arms: Sequence[str], baseline: str = "adamw",
+                     method: str = "stiefel") -> list:
+  """The (treatment, baseline) pairs a study reports, in order: each arm
+  against `baseline`, then `method` against each other arm (the method
+  against every alternative to it, so a positive difference always reads
+  the same way for it)."""
+  out = [(a, baseline) for a in arms if a != baseline]
+  if method in arms:
+    out += [(method, a) for a in arms if a not in (baseline, method)]
+  return out
+
+
 def estimate(tasks: Sequence, expected_s: Callable[[Any], Optional[float]],
              stages_: Sequence[str] = STAGES) -> dict:
   """The runs of `tasks` (anything with a stage and provisional flag, e.g.

@@ -198,3 +198,11 @@ def test_runner_stops_before_a_run_past_its_time_budget(monkeypatch):
                            lambda t: done.append(t) or {}, desc="t",
                            describe=lambda t, _: "", log=lines.append,
                            progress=False) == 5
+
+
+def test_comparison_pairs_put_every_arm_against_adamw_then_stiefel_first():
+  assert S.comparison_pairs(["adamw", "stiefel", "rsgd", "frozen"]) == [
+      ("stiefel", "adamw"), ("rsgd", "adamw"), ("frozen", "adamw"),
+      ("stiefel", "rsgd"), ("stiefel", "frozen")]
+  # without the method, only the baseline comparisons
+  assert S.comparison_pairs(["adamw", "rsgd"]) == [("rsgd", "adamw")]
