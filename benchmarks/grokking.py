@@ -370,6 +370,9 @@ def run_summary(run: dict, target: float) -> dict:
 # Statistics over seeds.
 
 
+fmt_p = harness.fmt_p
+
+
 def censored(values: Sequence[Optional[int]], ceiling: int) -> list:
   """Never-reached (None) counted at the ceiling: a lower bound."""
   return [ceiling if v is None else v for v in values]
@@ -385,10 +388,14 @@ def compare_arms(summaries: dict, steps: int) -> dict:
   ceil = steps + 1
   out = dict(seeds=seeds, ceiling=ceil, n_never_adamw=hit_a.count(None),
              n_never_stiefel=hit_s.count(None))
-  out["steps_to_target"] = stats.paired_comparison(censored(hit_s, ceil),
-                                                   censored(hit_a, ceil))
-  out["final_val_acc"] = stats.paired_comparison(
-      [r["final_val_acc"] for r in s], [r["final_val_acc"] for r in a])
+  by_seed = lambda values: dict(zip(seeds, values))
+  # wins: the seeds where stiefel is better (fewer steps; higher accuracy)
+  out["steps_to_target"] = stats.paired_row(
+      by_seed(censored(hit_s, ceil)), by_seed(censored(hit_a, ceil)),
+      lower_is_better=True)
+  out["final_val_acc"] = stats.paired_row(
+      by_seed([r["final_val_acc"] for r in s]),
+      by_seed([r["final_val_acc"] for r in a]))
   out["min_val_acc_after"] = stats.unpaired_comparison(
       [r["min_val_acc_after"] for r in s if r["min_val_acc_after"] is not None],
       [r["min_val_acc_after"] for r in a if r["min_val_acc_after"] is not None])
@@ -413,17 +420,15 @@ def winner(comp: dict) -> str:
     faster = "stiefel" if st["mean_diff"] < 0 else "adamw"
   sig = ("significant at 0.05 after Holm" if st["holm"] < 0.05
          else "not significant at 0.05 after Holm")
-  # paired_comparison(stiefel, adamw) counts stiefel > adamw as a win; for
-  # steps fewer is better, so stiefel is first where it "loses".
   higher = ("stiefel" if fv["mean_diff"] > 0 else
             "adamw" if fv["mean_diff"] < 0 else "neither arm")
   return (f"Grokking speed: {faster} ahead on the mean ({sig}; mean"
           f" difference stiefel - adamw {st['mean_diff']:+.0f} steps, paired"
-          f" t p = {st['p']:.3g}, Holm p = {st['holm']:.3g}); stiefel first in"
-          f" {st['losses']}, adamw first in {st['wins']}, tied in {st['ties']}"
-          f" of {n} seeds. Final validation accuracy: {higher} higher on the"
-          f" mean ({fv['mean_diff']:+.4f}, paired t p = {fv['p']:.3g}, Holm p ="
-          f" {fv['holm']:.3g}); stiefel"
+          f" t p = {fmt_p(st['p'])}, Holm p = {fmt_p(st['holm'])}); stiefel"
+          f" first in {st['wins']}, adamw first in {st['losses']}, tied in"
+          f" {st['ties']} of {n} seeds. Final validation accuracy: {higher}"
+          f" higher on the mean ({fv['mean_diff']:+.4f}, paired t p ="
+          f" {fmt_p(fv['p'])}, Holm p = {fmt_p(fv['holm'])}); stiefel"
           f" higher in {fv['wins']}, adamw higher in {fv['losses']}, tied in"
           f" {fv['ties']} of {fv['n']} seeds.")
 
@@ -499,18 +504,19 @@ def study_table(summaries: dict, comp: dict, target: float) -> str:
         f"{steps(a)} (never {comp['n_never_adamw']})",
         f"{steps(s)} (never {comp['n_never_stiefel']})",
         f"{st['mean_diff']:+.0f}",
-        f"paired t p = {st['p']:.3g} (Holm {st['holm']:.3g}), Wilcoxon p ="
-        f" {st['wilcoxon_p']:.3g}", f"{st['losses']} / {st['wins']}"],
+        f"paired t p = {fmt_p(st['p'])} (Holm {fmt_p(st['holm'])}), Wilcoxon"
+        f" p = {fmt_p(st['wilcoxon_p'])}", f"{st['wins']} / {st['losses']}"],
        [f"steps to {pct}% train acc (memorisation)",
         col(a, "steps_to_train_target", "{:.0f}"),
         col(s, "steps_to_train_target", "{:.0f}"), "", "", ""],
        ["final val acc", col(a, "final_val_acc"), col(s, "final_val_acc"),
         f"{fv['mean_diff']:+.4f}",
-        f"paired t p = {fv['p']:.3g} (Holm {fv['holm']:.3g})",
+        f"paired t p = {fmt_p(fv['p'])} (Holm {fmt_p(fv['holm'])})",
         f"{fv['wins']} / {fv['losses']}"],
        [f"min val acc after reaching {pct}%", col(a, "min_val_acc_after"),
         col(s, "min_val_acc_after"), "",
-        f"Welch p = {mn.get('p', float('nan')):.3g} (Holm {mn['holm']:.3g})",
+        f"Welch p = {fmt_p(mn.get('p', float('nan')))} (Holm"
+        f" {fmt_p(mn['holm'])})",
         ""],
        ["final train acc", col(a, "final_train_acc"),
         col(s, "final_train_acc"), "", "", ""],
