@@ -376,18 +376,19 @@ def comparison_lines(rows: Sequence[Mapping], metric: str, digits: int = 2,
   """The lines of a paired-comparison table (`stats.comparison_rows`): per
   row the arms, (with `size`, a column so headed holding the row's
   'size'), the seeds, both arms' mean `metric` with their mean training
-  loss in brackets (the regime each is in), treatment - baseline with its
-  95% CI, paired t and p, Holm p across the table and the seeds the
-  treatment wins."""
+  loss in brackets where the row has it (the regime each is in),
+  treatment - baseline with its 95% CI, paired t and p, Holm p across the
+  table and the seeds the treatment wins."""
   sized = [size] if size else []
+  mean = lambda r, role: f"{r['mean_' + role]:.{digits}f}" + (
+      f" ({r['loss_' + role]:.{loss_digits}f})" if "loss_" + role in r
+      else "")
   return markdown_table(
       ["treatment", "baseline", *sized, "seeds", f"treatment {metric} (train"
        " loss)", f"baseline {metric} (train loss)", "difference [95% CI]",
        "t", "p", "p (Holm)", "wins"], "ll" + "r" * len(sized) + "lrrlrrrr",
       [[r["treatment"], r["baseline"], *([r["size"]] if size else []),
-        format_seeds(r["seeds"]),
-        f"{r['mean_treatment']:.{digits}f} ({r['loss_treatment']:.{loss_digits}f})",
-        f"{r['mean_baseline']:.{digits}f} ({r['loss_baseline']:.{loss_digits}f})",
+        format_seeds(r["seeds"]), mean(r, "treatment"), mean(r, "baseline"),
         fmt_diff(r, digits), fmt_t(r["t"]),
         fmt_p(r["p"]), fmt_p(r["p_holm"]), f"{r['wins']}/{r['n']}"]
        for r in rows])
