@@ -1,7 +1,8 @@
 """Long-run drift: do Stiefel frames stay on the manifold over many steps?
 
-A tiny teacher/student multi-head attention (Flax linen parameter names:
-attn/{query,key,value,out}/kernel) is trained with
+A tiny teacher/student multi-head attention (the benchmarks' attention
+layer, `models.self_attention`: flax's MultiHeadDotProductAttention, its
+parameters at attn/{query,key,value,out}/kernel) is trained with
 `stiefel_optax.stiefel_attention` on fresh random inputs every step, so the
 frames keep moving for the whole run. The steps run in `jax.lax.scan`
 chunks; after every chunk the script records, over all frames:
@@ -38,7 +39,7 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import harness
+from benchmarks import harness, models
 
 # Runs write under runs/ (git-ignored); `--out benchmarks/results/long_run.json`
 # refreshes the committed reference record.
@@ -66,15 +67,13 @@ def init_params(key, d: int = 16, heads: int = 4, head_dim: int = 4,
 
 
 def attention(params, x):
-  """Multi-head self-attention, computed in float32: x (batch, seq, d)."""
-  p = jax.tree.map(lambda w: w.astype(jnp.float32), params["attn"])
-  q = jnp.einsum("bsd,dhk->bshk", x, p["query"]["kernel"])
-  k = jnp.einsum("bsd,dhk->bshk", x, p["key"]["kernel"])
-  v = jnp.einsum("bsd,dhk->bshk", x, p["value"]["kernel"])
-  logits = jnp.einsum("bshk,bthk->bhst", q, k) / np.sqrt(q.shape[-1])
-  att = jax.nn.softmax(logits, axis=-1)
-  o = jnp.einsum("bhst,bthk->bshk", att, v)
-  return jnp.einsum("bshk,hkd->bsd", o, p["out"]["kernel"])
+  """Self-attention of x (batch, seq, d) by `models.self_attention` with
+  the shapes of `params`, computed in float32 whatever the parameters'
+  dtype."""
+  _, heads, head_dim = params["attn"]["query"]["kernel"].shape
+  layer = models.self_attention(heads, head_dim, x.shape[-1],
+                                dtype=jnp.float32)
+  return layer.apply({"params": params["attn"]}, x)
 
 
 def make_chunk(tx, teacher, *, chunk: int, batch: int, seq: int):

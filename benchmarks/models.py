@@ -13,7 +13,8 @@ The attention query/key kernels have shape (d_model, heads, head_dim) at
 default ("flax").
 
 Users: grokking (`benchmarks.grokking.make_model`), CIFAR (`PatchViTConfig`
-below), the speed benchmark's causal LM (`benchmarks.speed.LMConfig`).
+below), the speed benchmark's causal LM (`benchmarks.speed.LMConfig`); the
+long-run drift benchmark trains one `self_attention` layer alone.
 
 `GPT` (end of the file) is nanoGPT's model for the language-model benchmark
 (`benchmarks.lm`), kept as nanoGPT writes it so that its published losses
@@ -98,6 +99,20 @@ def patchify(images: jnp.ndarray, patch: int) -> jnp.ndarray:
   return x.reshape(b, (h // patch) * (w // patch), patch * patch * c)
 
 
+def self_attention(num_heads: int, head_dim: int, out_features: int, *,
+                   use_bias: bool = False, qk_norm: bool = False,
+                   dtype=None, name: Optional[str] = None
+                   ) -> nn.MultiHeadDotProductAttention:
+  """Every benchmark's attention layer: flax's MultiHeadDotProductAttention
+  with query/key/value kernels (d, num_heads, head_dim) and an out kernel
+  (num_heads, head_dim, out_features), computed in `dtype` (None: the
+  inputs' and parameters' promoted dtype)."""
+  return nn.MultiHeadDotProductAttention(
+      num_heads=num_heads, qkv_features=num_heads * head_dim,
+      out_features=out_features, use_bias=use_bias, normalize_qk=qk_norm,
+      dtype=dtype, name=name)
+
+
 class Block(nn.Module):
   """x + Attn(LN x), then x + MLP(LN x) (LN: identity when layer_norm is
   off). `last_only`: attend from the last position alone, for a last-token
@@ -116,10 +131,9 @@ class Block(nn.Module):
     mask = (nn.make_causal_mask(x[..., 0]) if cfg.causal and not self.last_only
             else None)
     q = h[:, -1:] if self.last_only else h
-    x = (x[:, -1:] if self.last_only else x) + nn.MultiHeadDotProductAttention(
-        num_heads=cfg.num_heads, qkv_features=cfg.d_model,
-        out_features=cfg.d_model, use_bias=cfg.attn_bias,
-        normalize_qk=cfg.qk_norm, name="attn")(q, h, mask=mask)
+    x = (x[:, -1:] if self.last_only else x) + self_attention(
+        cfg.num_heads, cfg.head_dim, cfg.d_model, use_bias=cfg.attn_bias,
+        qk_norm=cfg.qk_norm, name="attn")(q, h, mask=mask)
     h = self._norm("ln_mlp", x)
     h = ACTIVATIONS[cfg.activation](nn.Dense(cfg.d_mlp, name="mlp_in")(h))
     return x + nn.Dense(cfg.d_model, name="mlp_out")(h)
