@@ -1,0 +1,17 @@
+"""The benchmarks' docstring examples run (pytest collects doctests from
+the library only: benchmarks/ runs from the checkout, not installed)."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+from benchmarks import harness, stats, training
+
+
+@pytest.mark.parametrize("module", [harness, stats, training],
+                         ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0, result
