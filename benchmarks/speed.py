@@ -1,7 +1,8 @@
 """What the Stiefel step costs: `stiefel_attention` against `optax.adamw`.
 
-    python -m benchmarks.speed              # full tables (10-20 min on 2 CPU
-                                            # cores, more with table 6)
+    python -m benchmarks.speed              # full tables (about 5 min on 2
+                                            # CPU cores; 10-20 min where
+                                            # OpenBLAS settings slow LAPACK)
     python -m benchmarks.speed --quick      # tiny shapes: a smoke test
     python -m benchmarks.speed --peer-only  # table 6 alone (geoopt)
 

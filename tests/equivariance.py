@@ -1,6 +1,6 @@
 """One reusable O(d)-equivariance check for Stiefel optimizers, on chex asserts.
 
-Proposition 4 of DESIGN.md: for Q in O(d) a Stiefel optimizer commutes with
+Proposition 4 of the paper: for Q in O(d) a Stiefel optimizer commutes with
 W -> Q W. The step from (Q W, Q G, Q m) is Q times the step from (W, G, m),
 so over several steps the trajectory from (Q W_0, Q G_t) is Q times the
 trajectory from (W_0, G_t): the frames, and every frame-shaped state leaf

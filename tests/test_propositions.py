@@ -1,4 +1,4 @@
-"""The five propositions of DESIGN.md and the gauge negative result,
+"""The paper's five propositions and the gauge negative result,
 certified numerically in float64 to <= 1e-12 relative.
 
 Each certificate is recorded (see conftest.py) and printed in the terminal

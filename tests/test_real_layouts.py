@@ -604,7 +604,7 @@ def test_project_start_trains_onto_the_manifold():
   """orthonormal_start='project' from raw (not orthonormalized) one-layer
   Gemma trees whose frames' singular values are far below 1 (std 0.02) and
   far above (std 1, i.e. sqrt(D) +- sqrt(H)): the first retraction must be
-  right for any full-rank W + xi (DESIGN.md, "Safe on any input"); after 8
+  right for any full-rank W + xi (the safety rule: any input is safe); after 8
   steps the Q/K frames are on the manifold and everything is finite."""
   tx = so.stiefel_attention(LR, frames="gemma", orthonormal_start="project")
   base = gemma_params(K, seed=5, layers=1)

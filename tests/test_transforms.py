@@ -1,10 +1,10 @@
-"""The Optax transforms and aliases against the step of DESIGN.md.
+"""The Optax transforms and aliases against the paper's step.
 
 Every transform test is a `chex.TestCase` method under
 `chex.variants(with_jit=True, without_jit=True)`, so it runs with and
 without jit (`self.variant`). float64 runs (the `x64` fixture, applied to
 whole classes) are compared with a NumPy reference of the step written from
-DESIGN.md; their errors are recorded through the `certificate` fixture.
+the paper; their errors are recorded through the `certificate` fixture.
 Every Stiefel optimizer is checked for O(d)-equivariance with
 `equivariance.assert_od_equivariant` (Q with det +1 and -1).
 """
@@ -54,7 +54,7 @@ class TestCase(chex.TestCase):
 
 
 # ---------------------------------------------------------------------------
-# NumPy reference of the step (DESIGN.md, "The step, exactly"), float64.
+# NumPy reference of the step (the paper's step, exactly), float64.
 
 
 def np_project(w, g):
@@ -136,7 +136,7 @@ class Float64ReferenceTest(TestCase):
   @parameterized.parameters(*RETRACTION_PARAMS)
   def test_stiefel_adam_matches_reference(self, method):
     """10 steps of `stiefel_adam` (with a learning-rate schedule, some steps
-    capped by the trust region) equal the NumPy reference of DESIGN.md to
+    capped by the trust region) equal the NumPy reference of the paper's step to
     <= 1e-12 relative, with the exact (eigh) retraction and with
     Newton–Schulz, whose float64 step count is derived for a residual of
     ~5 ulp (`geometry.newton_schulz_tol`)."""
