@@ -16,42 +16,10 @@ from __future__ import annotations
 import collections
 import fcntl
 import json
-import os
-import shutil
-import tempfile
 
 import jax
 import numpy as np
 import pytest
-
-CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
-OWN_CACHE = pytest.StashKey[str]()   # the folder this process made
-
-
-def pytest_configure(config):
-  """One persistent XLA compilation cache for the whole session, shared by
-  the xdist workers and the benchmark subprocesses (they inherit the
-  environment): the suite is compile-bound, and many tests compile the
-  same program from fresh closures (same model, optimizer and shapes),
-  which jit's in-memory cache cannot see but the persistent cache, keyed by
-  the program's fingerprint, can. Executables are the same either way, so
-  no result changes. A cache folder the user set is used as it is."""
-  if CACHE_ENV not in os.environ:   # the first process: make it, own it
-    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="stiefel_optax_xla_")
-    config.stash[OWN_CACHE] = os.environ[CACHE_ENV]
-  # Small programs compile faster than a cache read: only the larger ones.
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
-  jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
-  jax.config.update(
-      "jax_persistent_cache_min_compile_time_secs",
-      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-
-
-def pytest_unconfigure(config):
-  path = config.stash.get(OWN_CACHE, None)
-  if path is not None:
-    shutil.rmtree(path, ignore_errors=True)
-
 
 def once_per_session(tmp_path_factory, worker_id: str, name: str, make):
   """make() (JSON-able) computed once per test session, also across
