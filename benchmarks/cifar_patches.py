@@ -816,9 +816,10 @@ def paper_comparisons(recs) -> list:
 def _ours(r) -> str:
   if r is None:
     return "not run"
-  return (f"{harness.fmt_diff(r, 2, 'pp')} at n = {r['size']}, t ="
-          f" {harness.fmt_t(r['t']) or 'n/a'}, p = {harness.fmt_p(r['p'])}, Holm p ="
-          f" {harness.fmt_p(r['p_holm'])}, wins {r['wins']}/{r['n']}")
+  t = harness.fmt_t(r["t"]) or "n/a"
+  return (f"{harness.fmt_diff(r, 2, 'pp')} at n = {r['size']}, t = {t},"
+          f" p = {harness.fmt_p(r['p'])}, Holm p = {harness.fmt_p(r['p_holm'])},"
+          f" wins {r['wins']}/{r['n']}")
 
 
 def paper_table(rows) -> str:
