@@ -110,8 +110,10 @@ checkpoint while training, so a stopped study resumes; a saved run is reused
 only under the same identity (`benchmarks.harness`: the configuration's
 content, the corpus's md5 and the library version). Output goes to
 runs/lm/ (ignored by git) unless `--out` names a folder (the committed
-reference runs: benchmarks/results/lm). The report (table.md, results.json)
-is generated from every run in the folder.
+reference runs: benchmarks/results/lm). The report (table.md, results.json
+and the RESULTS.md section: `benchmarks.reports.lm`) is generated from every
+run in the folder; a study's report from its plan read against those runs
+(`study_state`).
 """
 
 from __future__ import annotations
@@ -134,10 +136,10 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import harness, stats, study as study_lib, training
+from benchmarks import harness, study as study_lib, training
 from benchmarks.models import GPT
+from benchmarks.reports import lm as report_lib
 
-SECTION = "## Language model"
 REFERENCE_DIR = harness.REFERENCE_ROOT / "lm"
 DEFAULT_DATA = pathlib.Path("..") / "shared" / "data" / "tinyshakespeare.txt"
 CORPUS_MD5 = "6fb458f1232090904fb40fe944165e91"
@@ -151,7 +153,6 @@ ARM_FIELDS = {"stiefel": ("stiefel_learning_rate", "max_step_norm"),
               "rsgd": ("rsgd_learning_rate",),
               "stiefel_muon": ("stiefel_muon_learning_rate",),
               "muon": ("muon_learning_rate",)}
-TOLERANCE = 0.05   # |ours - published| accepted for the reference check
 # Passed to jax.jit of the training and evaluation functions (tests set
 # {"xla_backend_optimization_level": 0}: toy sizes compile faster).
 COMPILER_OPTIONS: dict = {}
@@ -188,7 +189,8 @@ class Config:
 
 
 # nanoGPT's published character-level Shakespeare runs (README): the small
-# CPU command and the shakespeare_char (GPU) config, with their val losses.
+# CPU command and the shakespeare_char (GPU) config (their val losses:
+# `benchmarks.reports.lm.PUBLISHED`).
 # GPU: evaluated every 500 iterations (nanoGPT: 250) with nanoGPT's 200
 # batches, to leave time for more seeds on one GPU.
 CPU = Config()
@@ -199,11 +201,6 @@ QUICK = Config(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8,
                max_iters=30, lr_decay_iters=30, warmup_iters=5,
                eval_interval=10, eval_iters=4)
 PRESETS = {"cpu": CPU, "gpu": GPU, "quick": QUICK}
-PUBLISHED = {"cpu": 1.88, "gpu": 1.4697}
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
-                "dropout", "max_iters", "lr_decay_iters", "warmup_iters",
-                "learning_rate", "min_lr", "beta1", "beta2", "weight_decay",
-                "grad_clip")
 
 
 def identity_config(cfg: Config) -> dict:
@@ -211,16 +208,6 @@ def identity_config(cfg: Config) -> dict:
   the other arms."""
   others = {f for arm, fs in ARM_FIELDS.items() if arm != cfg.arm for f in fs}
   return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in others}
-
-
-def preset_of(cfg: Config) -> Optional[str]:
-  """'cpu' / 'gpu' when cfg is that published AdamW setting (whatever its
-  evaluation cadence), else None."""
-  for name, ref in PRESETS.items():
-    if name in PUBLISHED and all(getattr(cfg, f) == getattr(ref, f)
-                                 for f in MODEL_FIELDS):
-      return name
-  return None
 
 
 # --------------------------------------------------------------------------
@@ -605,290 +592,6 @@ def train_run(cfg: Config, seed: int, corpus: Corpus,
 
 
 # --------------------------------------------------------------------------
-# Report: every run of a folder, grouped by configuration.
-
-
-def group_key(rec: dict) -> str:
-  return harness.digest([rec["config"], rec["data"]])
-
-
-def groups(records: Sequence[dict]) -> dict:
-  """{key: {"config", "data", "runs": {seed: rec}}} of the finished runs
-  whose identity checks, in first-seen order."""
-  out = {}
-  for r in records:
-    if r.get("final") is None or not harness.matches(r):
-      continue
-    g = out.setdefault(group_key(r), dict(config=r["config"], data=r["data"],
-                                          runs={}))
-    g["runs"][r["seed"]] = r
-  return out
-
-
-def shared(config: dict) -> dict:
-  """The configuration without the arm and the arms' own fields."""
-  arm_fields = {f for fs in ARM_FIELDS.values() for f in fs}
-  return {k: v for k, v in config.items()
-          if k != "arm" and k not in arm_fields}
-
-
-def arm_label(config: dict) -> str:
-  own = ARM_FIELDS.get(config["arm"], ())
-  short = {"stiefel_learning_rate": "lr", "max_step_norm": "cap",
-           "rsgd_learning_rate": "lr", "stiefel_muon_learning_rate": "lr",
-           "muon_learning_rate": "lr"}
-  return config["arm"] + "".join(f" {short[f]} {config[f]:g}" for f in own)
-
-
-def setting(config: dict) -> str:
-  c = config
-  name = preset_of(Config(**c))
-  return (f"{c['n_layer']}L x {c['n_head']}H x {c['n_embd']}, ctx"
-          f" {c['block_size']}, batch {c['batch_size']}, dropout"
-          f" {c['dropout']:g}, {c['max_iters']} iters (decay to"
-          f" {c['lr_decay_iters']}, warmup {c['warmup_iters']}), eval_iters"
-          f" {c['eval_iters']}" + (f"; nanoGPT's {name} config at lr 1e-3"
-                                   if name else ""))
-
-
-def lr_text(c: dict) -> str:
-  return f"{c['learning_rate']:g} -> {c['min_lr']:g}"
-
-
-def mean(xs):
-  return float(np.mean(xs)) if len(xs) else float("nan")
-
-
-def summarize(g: dict) -> dict:
-  runs = [g["runs"][s] for s in sorted(g["runs"])]
-  f = lambda k: [r["final"][k] for r in runs]
-  return dict(arm=arm_label(g["config"]), seeds=sorted(g["runs"]),
-              train_loss=mean(f("train_loss")), val_loss=mean(f("val_loss")),
-              val_loss_full=mean(f("val_loss_full")),
-              best_val_loss=mean([min(r["history"]["val_loss"]) for r in runs]),
-              val_loss_full_sd=float(np.std(f("val_loss_full"), ddof=1))
-              if len(runs) > 1 else float("nan"),
-              qk_iso=mean(f("qk_iso")), wall_s=mean([r["wall_s"] for r in runs]),
-              n_params=runs[0]["n_params"])
-
-
-LR_FIELDS = ("learning_rate", "min_lr")
-
-
-def comparisons(gs: dict) -> list:
-  """Each non-adamw group against every adamw group of the same shared
-  configuration up to the learning rate (AdamW's lr and floor; the arm's
-  Euclidean group keeps its own), paired over their common seeds
-  (val_loss_full, arm - adamw: negative favours the arm), Holm-adjusted
-  across the list."""
-  drop = lambda c: {k: v for k, v in shared(c).items() if k not in LR_FIELDS}
-  pairs = []
-  for key, g in gs.items():
-    if g["config"]["arm"] == "adamw":
-      continue
-    for bkey, base in gs.items():
-      if (base["config"]["arm"] != "adamw" or base["data"] != g["data"]
-          or drop(base["config"]) != drop(g["config"])
-          or len(set(g["runs"]) & set(base["runs"])) < 2):
-        continue
-      bc = base["config"]
-      pairs.append(dict(
-          treatment=arm_label(g["config"]),
-          baseline=f"adamw lr {bc['learning_rate']:g}", group=key,
-          base_group=bkey,
-          same_lr=bc["learning_rate"] == g["config"]["learning_rate"]))
-  group = {"treatment": "group", "baseline": "base_group"}
-  rows = stats.comparison_rows(
-      pairs, lambda c, role: {s: r["final"]["val_loss_full"] for s, r in
-                              gs[c[group[role]]]["runs"].items()},
-      lower_is_better=True)
-  for r in rows:
-    r["blocks"] = sorted({harness.seed_block(s) for s in r["seeds"]})
-  return rows
-
-
-def reference_checks(gs: dict) -> list:
-  """Each adamw group at a published setting: ours against nanoGPT's."""
-  out = []
-  for g in gs.values():
-    name = preset_of(Config(**g["config"]))
-    if g["config"]["arm"] != "adamw" or name is None:
-      continue
-    s = summarize(g)
-    best = s["best_val_loss"]
-    per_seed = {sd: min(r["history"]["val_loss"])
-                for sd, r in sorted(g["runs"].items())}
-    out.append(dict(preset=name, published=PUBLISHED[name], seeds=s["seeds"],
-                    best_val_loss_per_seed=per_seed,
-                    val_loss=s["val_loss"], best_val_loss=best,
-                    val_loss_full=s["val_loss_full"],
-                    train_loss=s["train_loss"], wall_s=s["wall_s"],
-                    diff=best - PUBLISHED[name],
-                    within=abs(best - PUBLISHED[name]) <= TOLERANCE))
-  return out
-
-
-def setting_tables(gs: dict, refs: list, comps: list) -> list:
-  """The lines of the reference check (refs), then one table of runs per
-  setting with its paired comparisons (comps)."""
-  lines = []
-  if refs:
-    lines += ["External reference (nanoGPT README, AdamW). Ours: nanoGPT's"
-              " estimate_loss (the same estimator and eval_iters) at the"
-              " last step and its best over the evaluations (what nanoGPT's"
-              " best_val_loss tracks; the difference is taken from it), the"
-              " loss over the whole validation split, and the train"
-              " estimate at the last step:", ""]
-    lines += harness.markdown_table(
-        ["setting", "seeds", "published val", "our val, last", "our val, best",
-         "best, per seed", "our val, whole split", "our train", "difference",
-         f"within {TOLERANCE:g}", "wall s/run"], "llrrrlrrrlr",
-        [[f"nanoGPT {r['preset']}", harness.format_seeds(r["seeds"]),
-          f"{r['published']:.4g}", f"{r['val_loss']:.4f}",
-          f"{r['best_val_loss']:.4f}",
-          ", ".join(f"{v:.4f}" for v in r["best_val_loss_per_seed"].values()),
-          f"{r['val_loss_full']:.4f}", f"{r['train_loss']:.4f}",
-          f"{r['diff']:+.4f}", "yes" if r["within"] else "no",
-          f"{r['wall_s']:.0f}"] for r in refs])
-    lines.append("")
-  # One table per setting (the configuration up to the arm and the
-  # learning rate); rows by arm, lr, the arm's own fields.
-  without_lr = lambda c: {k: v for k, v in shared(c).items()
-                          if k not in LR_FIELDS}
-  by_setting = {}
-  for key, g in gs.items():
-    by_setting.setdefault(harness.digest([without_lr(g["config"]),
-                                          g["data"]]), []).append(key)
-
-  def order(key):
-    c = gs[key]["config"]
-    return (ARMS.index(c["arm"]), c["learning_rate"],
-            tuple(c[f] for f in ARM_FIELDS.get(c["arm"], ())))
-
-  def setting_order(keys_):
-    c = gs[keys_[0]]["config"]
-    return (preset_of(Config(**c)) is None, -c["max_iters"])
-
-  for keys_ in sorted(by_setting.values(), key=setting_order):
-    keys_ = sorted(keys_, key=order)
-    cfg0 = gs[keys_[0]]["config"]
-    rows = []
-    for key in keys_:
-      s = summarize(gs[key])
-      sd = (f"{s['val_loss_full_sd']:.4f}"
-            if np.isfinite(s["val_loss_full_sd"]) else "")
-      rows.append([s["arm"], lr_text(gs[key]["config"]),
-                   harness.format_seeds(s["seeds"]), f"{s['train_loss']:.4f}",
-                   f"{s['val_loss']:.4f}", f"{s['val_loss_full']:.4f}", sd,
-                   f"{s['qk_iso']:.2g}", f"{s['wall_s']:.0f}"])
-    lines += [f"Setting: {setting(cfg0)}.", ""] + harness.markdown_table(
-        ["arm", "lr (non-Q/K)", "seeds", "train loss", "val loss (estimate)",
-         "val loss, whole split", "sd", "Q/K isometry error", "wall s/run"],
-        "lllrrrrrr", rows)
-    here = [c for c in comps if c["group"] in keys_]
-    if here:
-      lines += ["", "Paired against adamw (val loss over the whole"
-                " validation split, arm - adamw; negative favours the arm;"
-                " each arm against every adamw lr run on the same seeds;"
-                " Holm across every comparison of this report):", ""]
-      lines += harness.markdown_table(
-          ["arm", "baseline", "seeds", "block", "difference [95% CI]", "wins",
-           "t", "p", "p (Holm)"], "lllllrrrr",
-          [[c["treatment"], c["baseline"], harness.format_seeds(c["seeds"]),
-            "+".join(c["blocks"]), harness.fmt_diff(c, 4),
-            f"{c['wins']}/{c['n']}", harness.fmt_t(c["t"]),
-            harness.fmt_p(c["p"]), harness.fmt_p(c["p_holm"])] for c in here])
-    lines.append("")
-  return lines
-
-
-def footer(meta: dict) -> list:
-  """The lines saying what trained the runs, where, and how to regenerate."""
-  lines = [
-      f"Training: {meta['runs']} runs, {meta['run_wall_s']:.0f} s wall and"
-      f" {meta['run_cpu_s']:.0f} s CPU summed; stiefel_optax"
-      f" {', '.join(meta['library_versions'])}; corpus"
-      f" {', '.join(meta['data'])}; machine:"
-      f" {'; '.join(meta['machines']) or 'not recorded'}."]
-  if meta["commands"]:
-    lines += ["", "Trained by: " + "; ".join(f"`{c}`" for c in
-                                            meta["commands"]) + "."]
-  lines += ["", f"Regenerate: `{meta['regenerate']}` (with `--results-md"
-            " benchmarks/RESULTS.md`, also this section of RESULTS.md)."]
-  return lines
-
-
-def markdown(gs: dict, refs: list, comps: list, meta: dict,
-             notes: str = "") -> str:
-  lines = setting_tables(gs, refs, comps)
-  if notes:
-    lines += [notes, ""]
-  return "\n".join(lines + footer(meta)).rstrip("\n") + "\n"
-
-
-def report(out: pathlib.Path, study: Optional[str] = None) -> dict:
-  """results.json and table.md of `out` from its saved runs and notes.md.
-
-  study (a key of STUDIES): the study's report first (its tuning, choices,
-  paired comparisons and findings), then the tables of the folder's runs
-  outside the study's plan, without their ad hoc comparisons (the study's
-  tables are the only Holm family)."""
-  recs = harness.RunStore(out).records()
-  gs = groups(recs)
-  if not gs:
-    raise SystemExit(f"{harness.portable(out)}: no finished runs to report.")
-  done = [r for g in gs.values() for r in g["runs"].values()]
-  cmds = []
-  for e in sorted((e for r in done for e in r["trained_by"] if e["command"]),
-                  key=lambda e: e["started_utc"]):
-    if e["command"] not in cmds:
-      cmds.append(e["command"])
-  flags = "" if study is None else " --study" + (
-      "" if study == "full" else f" --{study}")
-  meta = dict(
-      runs=len(done), run_wall_s=sum(r["wall_s"] for r in done),
-      run_cpu_s=sum(r["cpu_s"] for r in done),
-      library_versions=sorted({r["library_version"] for r in done}),
-      data=sorted({r["data"] for r in done}),
-      machines=sorted({harness.machine_line(r["machine"]) for r in done}),
-      commands=cmds,
-      regenerate=f"python -m benchmarks.lm{flags} --report-only --out"
-                 f" {harness.portable(out)}")
-  notes = harness.read_notes(out / "notes.md")
-  if study is None:
-    refs, comps = reference_checks(gs), comparisons(gs)
-    table = markdown(gs, refs, comps, meta, notes)
-    extra = {}
-  else:
-    spec = STUDIES[study]
-    index = finished_runs(recs, current_version=False)
-    data_id = study_data(index.values())
-    summary = study_summary(spec, index, data_id)
-    names = {task_name(t, data_id) for t in plan(spec, index, data_id)}
-    other = groups([r for r in recs if r["name"] not in names])
-    refs, comps = [], []
-    lines = study_markdown(spec, summary)
-    if other:
-      lines += ["The other runs in this folder (not in the study's plan;"
-                " no comparisons):", ""]
-      lines += setting_tables(other, [], [])
-    if notes:
-      lines += [notes, ""]
-    table = "\n".join(lines + footer(meta)).rstrip("\n") + "\n"
-    # The reference's records reduce to their names (the runs are saved).
-    summary["reference"]["runs"] = {sd: r["name"] for sd, r in
-                                    summary["reference"]["runs"].items()}
-    extra = dict(study=dict(name=study, **summary))
-  harness.write_json(out / "results.json", dict(
-      meta=meta, references=refs, comparisons=comps,
-      groups={k: dict(config=g["config"], data=g["data"], **summarize(g))
-              for k, g in gs.items()}, **extra), indent=1)
-  harness.write_text(out / "table.md", table)
-  return dict(table=table, references=refs, comparisons=comps, meta=meta,
-              **extra)
-
-
-# --------------------------------------------------------------------------
 # The study (issue 14): fair tuning on validation, then paired seeds, as one
 # resumable command (`--study`). Everything below is a pure function of the
 # study's specification and the finished runs, so a rerun recomputes the
@@ -904,12 +607,6 @@ LR_FLOOR = 10
 ADAMW_GRID = (("learning_rate", (1e-3, 3e-3, 1e-2)),
               ("weight_decay", (0.03, 0.1, 0.3)))
 STAGES = ("reference",) + study_lib.STAGES
-AXIS_LABELS = {"learning_rate": "lr", "weight_decay": "wd",
-               "stiefel_learning_rate": "Q/K lr", "max_step_norm": "cap",
-               "max_step_ratio": "cap / Q/K lr",
-               "rsgd_learning_rate": "Q/K lr",
-               "stiefel_muon_learning_rate": "Q/K lr",
-               "muon_learning_rate": "Q/K lr"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1286,12 +983,13 @@ def run_study(study: Study, corpus: Corpus, out: pathlib.Path, *,
       time_budget=time_budget, log=log, progress=False)
 
 
-# The study's report: tuning grids with their scores, chosen points and the
-# paired comparisons, from the finished runs (any library version).
-
-
-def hp_text(point: Mapping) -> str:
-  return ", ".join(f"{AXIS_LABELS.get(k, k)} {v:g}" for k, v in point.items())
+# The report (`benchmarks.reports.lm`): what it reads of the experiment,
+# and the study's state, the plan read against the finished runs (any
+# library version), which it turns into the study's tables.
+REPORT = report_lib.Experiment(
+    arms=ARMS, arm_fields=ARM_FIELDS,
+    presets={n: dataclasses.asdict(c) for n, c in PRESETS.items()},
+    own_adamw=OWN_ADAMW, lr_floor=LR_FLOOR)
 
 
 def study_data(records) -> str:
@@ -1302,35 +1000,29 @@ def study_data(records) -> str:
   return ref if ref in ids or not ids else ids[0]
 
 
-def tuning_summary(study: Study, arm: str, done: Mapping,
-                   data_id: str) -> dict:
-  """The arm's grid, every point's runs and mean scores, and its choice."""
+def tuning_runs(study: Study, arm: str, done: Mapping,
+                data_id: str) -> Optional[dict]:
+  """The arm's tuning as the plan reads it from the finished runs `done`:
+  dict(base, axes, finished, widenings, points, chosen, on_edge), its
+  non-Q/K AdamW hp, its grid as far as it is widened, each grid point with
+  its finished runs ([(point, {seed: record})]), its chosen point (None
+  while unfinished) and whether that lies on an edge the widenings left;
+  None while it waits on adamw's tuning."""
   base = arm_base(study, arm, done, data_id)
   if base is None:
-    return dict(arm=arm, status="waits for adamw's tuning", base=None,
-                axes=None, points=[], chosen=None, widenings=0, runs=0)
+    return None
   t = tuning(study, arm, base, done, data_id)
   points = []
   for p in study_lib.grid_points(t.axes):
     cfg = point_config(study.base, arm, {**base, **p}, study.tune_iters)
-    recs = {s: done[n] for s in study.tune_seeds
-            if (n := run_name(cfg, s, data_id)) in done}
-    points.append(dict(
-        point=p, seeds=sorted(recs),
-        val_loss_full={s: r["final"]["val_loss_full"] for s, r in recs.items()},
-        val=mean([r["final"]["val_loss_full"] for r in recs.values()]),
-        train=mean([r["final"]["train_loss"] for r in recs.values()]),
-        wall_s=sum(r["wall_s"] for r in recs.values())))
+    points.append((p, {s: done[n] for s in study.tune_seeds
+                       if (n := run_name(cfg, s, data_id)) in done}))
   chosen = (study_lib.best_point(t.axes, t.scores, higher_is_better=False)
             if t.finished else None)
-  runs = sum(len(p["seeds"]) for p in points)
-  status = ("finished" if t.finished else
-            f"{runs} of {len(points) * len(study.tune_seeds)} runs")
-  if t.finished and study_lib.extend_axes(t.axes, chosen) is not None:
-    status += f" (best on an edge after {t.widenings} widening(s))"
-  return dict(arm=arm, status=status, base=base,
-              axes=[[n, list(v)] for n, v in t.axes], points=points,
-              chosen=chosen, widenings=t.widenings, runs=runs)
+  return dict(base=base, axes=t.axes, finished=t.finished,
+              widenings=t.widenings, points=points, chosen=chosen,
+              on_edge=t.finished
+              and study_lib.extend_axes(t.axes, chosen) is not None)
 
 
 def paired_runs(study: Study, arm: str, done: Mapping, data_id: str) -> dict:
@@ -1343,169 +1035,37 @@ def paired_runs(study: Study, arm: str, done: Mapping, data_id: str) -> dict:
           if (n := run_name(cfg, s, data_id)) in done}
 
 
-def comparison_table(study: Study, runs: Mapping, block: str) -> list:
-  """`stats.comparison_rows` of whole-split validation loss (treatment -
-  baseline, negative favours the treatment) over the seeds of `block` both
-  arms have, with their train losses; Holm-adjusted across the table."""
-  pick = lambda arm, key: {s: r["final"][key]
-                           for s, r in runs.get(arm, {}).items()
-                           if harness.seed_block(s) == block}
-  return stats.comparison_rows(
-      [dict(treatment=t, baseline=b)
-       for t, b in study_lib.comparison_pairs(study.arms)],
-      lambda c, role: pick(c[role], "val_loss_full"),
-      lambda c, role: pick(c[role], "train_loss"), lower_is_better=True)
-
-
-def study_summary(study: Study, done: Mapping, data_id: str) -> dict:
-  """Everything the study's report says, from the finished runs."""
-  tunings = {a: tuning_summary(study, a, done, data_id) for a in study.arms}
-  runs = {a: paired_runs(study, a, done, data_id) for a in study.arms}
-  ref = {s: done[n] for s in study.reference_seeds
-         if (n := run_name(reference_config(study), s, data_id)) in done}
-  disc, conf = (comparison_table(study, runs, b)
-                for b in ("discovery", "confirmation"))
-  planned = plan(study, done, data_id)
-  left = [t for t in planned if task_name(t, data_id) not in done]
-  arms = {}
-  for a in study.arms:
-    c = choice(study, a, done, data_id)
-    arms[a] = dict(chosen=None if c is None else c[0],
-                   base=None if c is None else c[1],
-                   seeds=sorted(runs[a]), planned_seeds=list(study.seeds(a)))
+def study_state(study: Study, done: Mapping, data_id: str) -> dict:
+  """The study's plan read against the finished runs `done` on `data_id`,
+  as `benchmarks.reports.lm.study_summary` takes it: per arm its tuning
+  (`tuning_runs`), its choice and its paired runs; the nanoGPT reference's
+  configuration (a dict) and runs ({seed: record}); the planned runs
+  ({name: Task}) and those of them not done."""
+  ref = reference_config(study)
+  planned = {task_name(t, data_id): t for t in plan(study, done, data_id)}
   return dict(
-      data=data_id, tuning=tunings, arms=arms,
-      reference=dict(seeds=sorted(ref), runs=ref),
-      discovery=disc, confirmation=conf,
-      findings=stats.confirmed(disc, conf),
-      done=len(planned) - len(left), planned=len(planned),
-      next=None if not left else f"{left[0].stage} {left[0].arm}",
-      complete=not left and len(planned) > len(study.reference_seeds)
-      and all(t["status"].startswith("finished") for t in tunings.values()))
+      data=data_id,
+      tuning={a: tuning_runs(study, a, done, data_id) for a in study.arms},
+      choices={a: choice(study, a, done, data_id) for a in study.arms},
+      paired={a: paired_runs(study, a, done, data_id) for a in study.arms},
+      reference_config=dataclasses.asdict(ref),
+      reference={s: done[n] for s in study.reference_seeds
+                 if (n := run_name(ref, s, data_id)) in done},
+      planned=planned,
+      left=[t for n, t in planned.items() if n not in done])
 
 
-def fmt_loss(x) -> str:
-  return "" if not np.isfinite(x) else f"{x:.4f}"
-
-
-def study_setting(study: Study) -> str:
-  c = study.base
-  return (f"{c.n_layer}L x {c.n_head}H x {c.n_embd}, ctx {c.block_size},"
-          f" batch {c.batch_size}, dropout {c.dropout:g},"
-          f" {c.max_iters} iterations (decay to {c.lr_decay_iters}, warmup"
-          f" {c.warmup_iters}), eval_iters {c.eval_iters}")
-
-
-def grid_density(study: Study) -> str:
-  """What the starting grids have in common (fair tuning: the same number
-  of points per hyperparameter for every arm)."""
-  sizes = sorted({len(v) for _, axes in study.grids for _, v in axes})
-  if len(sizes) == 1:
-    return (f"every arm's grid starts at {sizes[0]} points per"
-            " hyperparameter, half a decade apart")
-  return ("the starting grids are toy grids of "
-          + " to ".join(str(n) for n in (sizes[0], sizes[-1]))
-          + " points per hyperparameter")
-
-
-def study_markdown(study: Study, s: dict) -> list:
-  """The lines of the study's report."""
-  seeds = harness.format_seeds
-  lines = [
-      f"**Study** (fair tuning on validation, then paired seeds) at"
-      f" {study_setting(study)}: {s['done']} of the {s['planned']} runs"
-      " planned so far are done (the plan grows as tuning grids widen and"
-      " choices are made)" + (f"; next: {s['next']}" if s["next"] else "")
-      + ".", ""]
-  if s["findings"]:
-    lines += ["Findings (confirmed under the claims policy: Holm p < 0.05 on"
-              " the confirmation seeds, the same sign as on discovery;"
-              " differences in whole-split validation loss):", ""]
-    lines += [f"- {harness.finding_text(r, '', 4)}"
-              for r in s["findings"]]
-  else:
-    lines.append("Findings: none" + ("." if s["complete"] else
-                                     " yet (the study is unfinished)."))
-  lines.append("")
-  # The reference: nanoGPT's recipe as published, its own record.
-  ref = s["reference"]
-  rc = reference_config(study)
-  if ref["seeds"]:
-    runs = [ref["runs"][sd] for sd in ref["seeds"]]
-    pub = PUBLISHED.get(preset_of(rc))
-    best = mean([min(r["history"]["val_loss"]) for r in runs])
-    lines += [
-        "nanoGPT reference (AdamW at nanoGPT's published settings, lr"
-        f" {rc.learning_rate:g} -> {rc.min_lr:g}, weight decay"
-        f" {rc.weight_decay:g}; its own record, not the tuned adamw):", ""]
-    final = lambda k: f"{mean([r['final'][k] for r in runs]):.4f}"
-    lines += harness.markdown_table(
-        ["seeds", "published val", "val, last", "val, best",
-         "val, whole split", "train", "difference", "wall s/run"], "lrrrrrrr",
-        [[seeds(ref["seeds"]), "" if pub is None else f"{pub:.4g}",
-          final("val_loss"), f"{best:.4f}", final("val_loss_full"),
-          final("train_loss"), "" if pub is None else f"{best - pub:+.4f}",
-          f"{mean([r['wall_s'] for r in runs]):.0f}"]]) + [""]
-  lines += [
-      f"Tuning on validation: {study.tune_iters} iterations (decay to"
-      f" {study.tune_iters}, warmup {study.base.warmup_iters}), tuning seeds"
-      f" {seeds(study.tune_seeds)}; a point's score is the mean over the"
-      " tuning seeds of the whole-split validation loss (lower is better);"
-      f" {grid_density(study)}, widened geometrically past an edge its best"
-      f" point lands on (at most {study.max_extensions} widening(s)); an"
-      f" AdamW lr brings its floor lr / {LR_FLOOR}. The non-Q/K weights of"
-      " every arm but the AdamW"
-      " recipes (adamw, qk_norm, orthogonal_init) train with adamw's chosen"
-      " lr and weight decay.", ""]
-  rows = []
-  for a in study.arms:
-    t = s["tuning"][a]
-    grid = ("" if t["axes"] is None else " x ".join(
-        f"{AXIS_LABELS.get(n, n)} {{{', '.join(f'{v:g}' for v in vals)}}}"
-        for n, vals in t["axes"]))
-    nonqk = ("own" if a in OWN_ADAMW else
-             "" if t["base"] is None else hp_text(t["base"]))
-    chosen = "" if t["chosen"] is None else hp_text(t["chosen"])
-    rows.append([a, chosen, nonqk, grid, t["runs"], t["status"]])
-  lines += harness.markdown_table(
-      ["arm", "chosen", "non-Q/K AdamW", "grid", "tuning runs", "status"],
-      "llllrl", rows) + [""]
-  for a in study.arms:
-    t = s["tuning"][a]
-    if not t["runs"]:
-      continue
-    names = [n for n, _ in t["axes"]]
-    lines += [f"Tuning grid of {a}:", ""] + harness.markdown_table(
-        [AXIS_LABELS.get(n, n) for n in names]
-        + ["val loss per tuning seed", "mean val loss", "mean train loss", ""],
-        "r" * len(names) + "lrrl",
-        [[f"{p['point'][n]:g}" for n in names]
-         + [", ".join(f"{p['val_loss_full'][sd]:.4f}" for sd in p["seeds"]),
-            fmt_loss(p["val"]), fmt_loss(p["train"]),
-            "chosen" if p["point"] == t["chosen"] else ""]
-         for p in t["points"]]) + [""]
-  lines += [
-      f"Paired runs at {study_setting(study)}, each arm at its chosen point"
-      " (the same data, batches, evaluation batches and initial weights"
-      " outside Q/K per seed). Seeds planned: "
-      + "; ".join(f"{a} {seeds(study.seeds(a))}" for a in study.arms)
-      + ". Done: " + "; ".join(
-          f"{a} {seeds(s['arms'][a]['seeds']) or 'none'}" for a in study.arms)
-      + ".", "",
-      "Each row: treatment - baseline in validation loss over the whole"
-      " split (negative favours the treatment), its 95% CI, paired t and p,"
-      " Holm-adjusted p across the rows of the table, and the seeds the"
-      " treatment wins; mean validation loss of each arm with its train loss"
-      " (nanoGPT's estimate at the last step) in brackets.", ""]
-  for block in ("discovery", "confirmation"):
-    rows = s[block]
-    lines.append(f"{block.capitalize()} seeds:")
-    lines.append("")
-    if not rows:
-      lines += ["(no paired runs yet)", ""]
-      continue
-    lines += harness.comparison_lines(rows, "val", 4, 4) + [""]
-  return lines
+def write_report(out: pathlib.Path, study: Optional[str] = None) -> dict:
+  """`benchmarks.reports.lm.report` of out's saved runs (results.json and
+  table.md; its return value); with study (a key of STUDIES), the study's
+  report from its state read from those runs."""
+  records = harness.RunStore(out).records()
+  if study is None:
+    return report_lib.report(out, records, REPORT)
+  spec = STUDIES[study]
+  index = finished_runs(records, current_version=False)
+  return report_lib.report(out, records, REPORT, study, spec,
+                           study_state(spec, index, study_data(index.values())))
 
 
 # --------------------------------------------------------------------------
@@ -1713,7 +1273,7 @@ def train_study(name: str, args, argv, corpus: Corpus, out: pathlib.Path,
   run_study(study, corpus, out,
             command=harness.command_line("benchmarks.lm", argv), log=log,
             time_budget=args.time_budget, rates=rates,
-            on_paired=lambda: report(out, name))
+            on_paired=lambda: write_report(out, name))
   return None
 
 
@@ -1740,10 +1300,9 @@ def main(argv=None) -> dict:
       elif (est := train_study(study, args, argv, corpus, out,
                                log)) is not None:
         return dict(estimate=est)
-  rep = report(out, study)
+  rep = write_report(out, study)
   if args.results_md:
-    harness.write_section(args.results_md, SECTION,
-                          f"{SECTION}\n\n{rep['table']}")
+    report_lib.write_section(args.results_md, rep)
   log(rep["table"])
   log(f"results: {harness.portable(out)}")
   return rep

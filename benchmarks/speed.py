@@ -5,6 +5,8 @@
                                             # OpenBLAS settings slow LAPACK)
     python -m benchmarks.speed --quick      # tiny shapes: a smoke test
     python -m benchmarks.speed --peer-only  # table 6 alone (geoopt)
+    python -m benchmarks.speed --report-only --out benchmarks/results
+                                            # speed.md from speed.json
 
 The full run's time is mostly LAPACK: the SVD of 32 (4096, 128) frames may
 use its whole child-process timeout (--timeout, 300 s) and report a hang.
@@ -79,8 +81,10 @@ Tables:
 
 Results: `--out DIR` (default runs/speed for a full run, runs/speed_peer
 with --peer-only, none for --quick; `--out benchmarks/results` refreshes the
-committed figures) receives speed.json and speed.md. Machine load (`os.getloadavg`)
-is recorded before and after, with the BLAS environment variables.
+committed figures) receives speed.json and speed.md (rendered by
+`benchmarks.reports.speed`; `--report-only --out DIR` renders speed.md
+again from DIR/speed.json). Machine load (`os.getloadavg`) is recorded
+before and after, with the BLAS environment variables.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import platform
 import queue
 import re
@@ -108,6 +113,7 @@ import optax
 import stiefel_optax as so
 from benchmarks import harness
 from benchmarks import peer_geoopt
+from benchmarks.reports import speed as report_lib
 from stiefel_optax import geometry
 
 QK = re.compile(so.specs.QK_KERNEL)
@@ -879,184 +885,6 @@ def peer_comparison(python: Optional[str], workloads=PEER_WORKLOADS,
   return {**res, "status": "ok"}
 
 
-# --------------------------------------------------------------------------
-# Report.
-
-
-def _fmt_ms(x):
-  return f"{x:.2f}" if x < 10 else f"{x:.1f}"
-
-
-STACK_NOTE = ("stacked: `stiefel_attention(..., stack_frames=True)`, the"
-              " frames of equal shape from all leaves updated as one batch;"
-              " auto: `stack_frames=\"auto\"`, stacks of at most"
-              f" {so.partition.AUTO_STACK_BYTES // 2**20} MiB (larger"
-              " frames per leaf).")
-
-
-def _md_update(res) -> list:
-  out = ["## One optimizer update", ""] + harness.markdown_table(
-      ["tree", "params", "Q/K frames", "adamw ms", "stiefel_attention ms",
-       "ratio", "ratio of CPU time", "stacked ms", "ratio", "auto ms",
-       "ratio"], "lrrrrrrrrrr",
-      [[u["tree"], f"{u['params'] / 1e6:.2f} M", u["qk_frames"],
-        _fmt_ms(u["adamw_ms"]), _fmt_ms(u["stiefel_ms"]), f"{u['ratio']:.2f}",
-        f"{u['cpu_ratio']:.2f}", _fmt_ms(u["stacked_ms"]),
-        f"{u['stacked_ratio']:.2f}", _fmt_ms(u["auto_ms"]),
-        f"{u['auto_ratio']:.2f}"] for u in res["update"]])
-  u = res["update"][0]
-  out += ["", STACK_NOTE,
-          "", f"Against the floor ({u['tree']}: AdamW on the non-Q/K leaves"
-          f" plus the five products, {_fmt_ms(u['floor_ms'])} ms):"
-          f" stiefel_attention {u['floor_ratio']:.3f}x (CPU time"
-          f" {u['floor_cpu_ratio']:.3f}x); stacked"
-          f" {u['stacked_floor_ratio']:.3f}x, auto"
-          f" {u['auto_floor_ratio']:.3f}x."]
-  prof = u["profile"]
-  out += ["", f"## Where the update's time goes ({u['tree']})", ""]
-  out += harness.markdown_table(
-      ["part", "ms", "CPU ms"], "lrr",
-      [[k, _fmt_ms(v), _fmt_ms(prof["parts_cpu_ms"][k])]
-       for k, v in prof["parts_ms"].items()])
-  out += ["", f"{prof['frames']} frames of ({prof['d']}, {prof['r']}); the"
-          f" floor's products run at {prof['floor_gflops_per_s']:.1f} GFLOP/s."]
-  return out
-
-
-def _md_train_step(res) -> list:
-  t = res["train_step"]
-  return ["## One training step (forward, backward, update, apply)",
-          ""] + harness.markdown_table(
-              ["model", "params", "adamw ms", "stiefel_attention ms", "ratio",
-               "ratio of CPU time", "stacked ms", "ratio", "auto ms", "ratio"],
-              "lrrrrrrrrr",
-              [[t["model"], f"{t['params'] / 1e6:.2f} M",
-                _fmt_ms(t["adamw_ms"]), _fmt_ms(t["stiefel_ms"]),
-                f"{t['ratio']:.3f}", f"{t['cpu_ratio']:.3f}",
-                _fmt_ms(t["stacked_ms"]), f"{t['stacked_ratio']:.3f}",
-                _fmt_ms(t["auto_ms"]), f"{t['auto_ratio']:.3f}"]])
-
-
-def _md_state(res) -> list:
-  mb = lambda b: f"{b / 2**20:.2f}"
-  return ["## Optimizer state of the Q/K kernels", ""] + harness.markdown_table(
-      ["tree", "Q/K params MB", "adamw MB", "stiefel_attention MB", "ratio"],
-      "lrrrr",
-      [[s["tree"], mb(s["qk_param_bytes"]), mb(s["adamw_bytes"]),
-        mb(s["stiefel_bytes"]), f"{s['ratio']:.4f}"] for s in res["state"]])
-
-
-def _md_retraction(res) -> list:
-  rows = []
-  for r in res["retraction"]:
-    name = r["method"]
-    if "ns_steps_delta_0.1" in r:
-      name += (f" ({r['ns_steps_delta_0.1']} / {r['ns_steps_delta_1']} steps)")
-    shape = f"({r['d']}, {r['r']}) x {r['heads']}"
-    rows.append([name, shape, r["status"], "", ""] if "status" in r else
-                [name, shape, _fmt_ms(r["ms"]), f"{r['iso_err_delta_0.1']:.1e}",
-                 f"{r['iso_err_delta_1']:.1e}"])
-  out = ["## Polar retraction of a batch of d / r heads, float32", ""]
-  out += harness.markdown_table(
-      ["method", "(d, r) x heads", "ms", "isometry error, delta 0.1",
-       "isometry error, delta 1"], "llrrr", rows)
-  out += ["", "Isometry error: max ||Q^T Q - I||_F of the float32 result,"
-          " Q^T Q formed in float64. Newton–Schulz is timed sized for"
-          " delta = 0.1 (the default cap); its delta = 1 error uses the steps"
-          " sized for delta = 1."]
-  return out
-
-
-def _md_layout(res) -> list:
-  r = res["layout"]
-  out = ["## Native layout against the frame view, float32", ""]
-  out += harness.markdown_table(
-      ["layout", f"{r['leaves']} x {tuple(r['kernel'])} kernels, ms",
-       "transposes and copies in the compiled program"], "lrr",
-      [[x["layout"], _fmt_ms(x["ms"]), str(x["transposes"])]
-       for x in r["rows"]])
-  out += ["", "The step's five d x r x r products (W^T G, W^T m, W S,"
-          " (W + xi)^T (W + xi), (W + xi) Z) per leaf, one jitted program"
-          " for all leaves: as einsums over the kernel's own axes"
-          " (`dhr,dhs->hrs`, `dhr,hrs->dhs`) with the momentum in kernel"
-          " layout, and as the library computes them (W and G viewed as"
-          " (heads, d, r) frames, the momentum kept in that view, the step"
-          " transposed back). Native / view:"
-          f" {r['native_over_view']:.2f}. Transposes: the `transpose` and"
-          " `copy` instructions of XLA's optimized program on"
-          f" {r['backend']}. Where the native program holds as many or more,"
-          " XLA transposes the einsums' operands itself (its dot takes the"
-          " batch axis, the heads, major), once per product instead of once"
-          " per step: computing in the kernel's layout then moves the"
-          " copies into XLA rather than removing them."]
-  return out
-
-
-PEER_TITLE = ("## Peer: geoopt's RiemannianAdam on EuclideanStiefel"
-              " (PyTorch, CPU)")
-
-
-def _md_peer(res) -> list:
-  p = res["peer"]
-  out = [PEER_TITLE, ""]
-  if p["status"] == "skipped":
-    return out + [f"Skipped: {p['message']}."]
-  out += harness.markdown_table(
-      ["workload", "leaves x (heads, d, r)", "stiefel_adam ms", "geoopt ms",
-       "geoopt / ours", "ratio of CPU time", "stacked ms", "geoopt / stacked",
-       "auto ms", "geoopt / auto", "isometry error, ours",
-       "isometry error, geoopt"], "llrrrrrrrrrr",
-      [[r["workload"], f"{r['leaves']} x ({', '.join(map(str, r['shape']))})",
-        _fmt_ms(r["ours_ms"]), _fmt_ms(r["geoopt_ms"]), f"{r['ratio']:.2f}",
-        f"{r['cpu_ratio']:.2f}", _fmt_ms(r["ours_stacked_ms"]),
-        f"{r['ratio_stacked']:.2f}", _fmt_ms(r["ours_auto_ms"]),
-        f"{r['ratio_auto']:.2f}", f"{r['ours_iso_err']:.1e}",
-        f"{r['geoopt_iso_err']:.1e}"] for r in p["rows"]])
-  if p["status"] != "ok":
-    out += ["", f"Failed after {len(p['rows'])} workload(s): {p['message']}"]
-  if p["rows"]:
-    r = p["rows"][0]
-    out += ["", f"One step each, lr {p['lr']:g}, same float32 frames and"
-            " gradients (NumPy, fixed seed): ours one jitted `stiefel_adam`"
-            " update plus `optax.apply_updates` (stacked, auto: the"
-            " leaves stacked by `frame_partition(..., stack_frames=True"
-            " / \"auto\")`), geoopt one"
-            " `optimizer.step()` with the gradients set. Medians over"
-            f" {r['rounds']} rounds, each geoopt's k steps (in the child"
-            " process) then ours k (k per workload: "
-            + ", ".join(f"{x['k']}" for x in p["rows"]) + "). torch"
-            f" {p['torch']} ({p['torch_threads']} threads), geoopt"
-            f" {p['geoopt']}; jax on {p['threads']} cores. Isometry error:"
-            f" max ||W^T W - I||_F (float64) after {r['iso_steps']} steps"
-            f" from the same frames (start: {r['start_iso_err']:.1e}). Both"
-            " keep one second moment per frame; ours caps the step at 0.1"
-            " and retracts by polar (Newton–Schulz), geoopt by QR."]
-  return out
-
-
-MD_SECTIONS = (("update", _md_update), ("train_step", _md_train_step),
-               ("state", _md_state), ("retraction", _md_retraction),
-               ("peer", _md_peer), ("layout", _md_layout))
-
-
-def markdown(res: Dict[str, Any]) -> str:
-  """The tables of the sections that `res` holds."""
-  title = ("stiefel_adam vs geoopt" if res.get("peer_only")
-           else "stiefel_attention vs optax.adamw")
-  out = [f"# Speed: {title}{' (quick)' if res['quick'] else ''}",
-         "",
-         f"Command: `{res['command']}`. {res['machine']}. Load average"
-         f" (1/5/15 min) before {res['load_before']}, after"
-         f" {res['load_after']}. Times: medians of jitted calls after"
-         " warm-up, both sides alternated in the same run; ms are wall-clock,"
-         " CPU ms the process's CPU time per call (all threads; steadier"
-         " when other jobs share the cores)."]
-  for key, section in MD_SECTIONS:
-    if key in res:
-      out += [""] + section(res)
-  return "\n".join(out) + "\n"
-
-
 def _command(quick: bool, peer_only: bool, peer_threads: Optional[int]
              ) -> str:
   return ("python -m benchmarks.speed" + (" --quick" if quick else "")
@@ -1109,14 +937,19 @@ def run(quick: bool = False, out: Optional[str] = None,
     print(f"peer comparison (geoopt) {res['peer']['status']}:"
           f" {res['peer']['message']}", file=sys.stderr)
   res["load_after"] = [round(x, 2) for x in os.getloadavg()]
-  res["markdown"] = markdown(res)
   if out:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "speed.json"), "w") as f:
-      json.dump({k: v for k, v in res.items() if k != "markdown"}, f, indent=1)
-    with open(os.path.join(out, "speed.md"), "w") as f:
-      f.write(res["markdown"])
+    harness.write_json(pathlib.Path(out) / "speed.json", res, indent=1)
+  res["markdown"] = write_report(out, res)
   return res
+
+
+def write_report(out: Optional[str], res: Dict[str, Any]) -> str:
+  """speed.md of `res` (beside its speed.json in `out`, if given);
+  returns the markdown."""
+  md = report_lib.markdown(res)
+  if out:
+    harness.write_text(pathlib.Path(out) / "speed.md", md)
+  return md
 
 
 def main(argv: Optional[Sequence[str]] = None):
@@ -1142,6 +975,9 @@ def main(argv: Optional[Sequence[str]] = None):
   parser.add_argument("--peer-threads", type=int, default=None,
                       help="torch.set_num_threads of the peer (default: the"
                       " cores jax may use, os.sched_getaffinity)")
+  parser.add_argument("--report-only", action="store_true",
+                      help="no timing: speed.md again from the speed.json in"
+                      " --out (e.g. benchmarks/results)")
   parser.add_argument("--retraction-child", default=None,
                       help=argparse.SUPPRESS)
   parser.add_argument("--shapes", default=None, help=argparse.SUPPRESS)
@@ -1156,6 +992,14 @@ def main(argv: Optional[Sequence[str]] = None):
   default = (None if args.quick else
              DEFAULT_PEER_OUT if args.peer_only else DEFAULT_OUT)
   out = args.out if args.out is not None else default
+  if args.report_only:
+    if not out:
+      parser.error("--report-only reads <--out>/speed.json: name --out.")
+    path = pathlib.Path(out) / "speed.json"
+    if not path.is_file():
+      parser.error(f"--report-only: no {path}; run the benchmark first.")
+    print(write_report(out, json.loads(path.read_text())))
+    return
   res = run(args.quick, out, args.iters, args.timeout, args.peer_python,
             args.peer_only, args.peer_threads)
   print(res["markdown"])

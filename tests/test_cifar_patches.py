@@ -14,7 +14,9 @@ import pytest
 
 import stiefel_optax as so
 from benchmarks import cifar_data, cifar_patches as cp, harness, stats
+from benchmarks import study as study_lib
 from benchmarks.models import PatchViTConfig, patchify
+from benchmarks.reports import cifar as cifar_report
 
 
 # ---------------------------------------------------------------- data
@@ -227,16 +229,16 @@ def test_paired_statistics_and_sections(tmp_path):
     recs.append({"kind": "run", "arm": "adamw", "n": 100, "seed": s, "test_acc": 0.30 + 0.01 * s, "train_loss": [2.0, 1.5]})
     recs.append({"kind": "run", "arm": "stiefel", "n": 100, "seed": s, "test_acc": 0.33 + 0.01 * s + 0.001 * s * s, "train_loss": [2.0, 1.0 + s]})
   recs.append({"kind": "run", "arm": "stiefel", "n": 100, "seed": 9, "test_acc": 0.9, "train_loss": [9.0]})  # unpaired
-  row = cp.compare(recs, "stiefel", "adamw", 100)
+  row = cifar_report.compare(recs, "stiefel", "adamw", 100)
   assert row["n"] == 4 and row["wins"] == 4 and row["seeds"] == [0, 1, 2, 3]
   assert 3.0 < row["mean_diff"] < 3.5 and row["ci_low"] < row["mean_diff"] < row["ci_high"]
   assert row["loss_treatment"] == 2.5 and row["loss_baseline"] == 1.5
-  assert "34.85 (2.500)" in cp.markdown_table(stats.with_holm([row]))
+  assert "34.85 (2.500)" in cifar_report.markdown_table(stats.with_holm([row]))
   text = "# R\n\n## Grokking\n\nkeep me\n\n## CIFAR-10 patch benchmark\n\nold\n\n## Other\n\nkeep too\n"
-  new = harness.replace_section(text, cp.SECTION, "## CIFAR-10 patch benchmark\n\nnew")
+  new = harness.replace_section(text, cifar_report.SECTION, "## CIFAR-10 patch benchmark\n\nnew")
   assert "old" not in new and "new" in new
   assert "keep me" in new and "keep too" in new
-  assert harness.replace_section("# R\n", cp.SECTION, cp.SECTION + "\n\nx").endswith("x\n")
+  assert harness.replace_section("# R\n", cifar_report.SECTION, cifar_report.SECTION + "\n\nx").endswith("x\n")
   policy = harness.POLICY_HEADING + "\n\nrules\n"
   first = harness.with_policy(text, policy)
   assert first.startswith("# R\n\n" + policy + "\n## Grokking")
@@ -245,17 +247,17 @@ def test_paired_statistics_and_sections(tmp_path):
 
 def test_tuning_grid_is_a_product_widened_past_its_edges():
   axes = (("lr", (1e-3, 3e-3, 1e-2)), ("weight_decay", (0.01, 0.05)))
-  points = cp.grid_points(axes)
+  points = study_lib.grid_points(axes)
   assert len(points) == 6 and points[0] == {"lr": 1e-3, "weight_decay": 0.01}
-  scores = {cp.hp_key(p): p["lr"] for p in points}       # best: largest lr
-  best = cp.best_point(axes, scores)
+  scores = {study_lib.point_key(p): p["lr"] for p in points}       # best: largest lr
+  best = study_lib.best_point(axes, scores, higher_is_better=True)
   assert best == {"lr": 1e-2, "weight_decay": 0.01}       # tie: grid order
-  wider = cp.extend_axes(axes, best)
+  wider = study_lib.extend_axes(axes, best)
   assert wider == (("lr", (1e-3, 3e-3, 1e-2, 0.0333)),
                    ("weight_decay", (0.002, 0.01, 0.05)))
   interior = {"lr": 3e-3, "weight_decay": 0.05}
-  assert cp.extend_axes((("lr", (1e-3, 3e-3, 1e-2)),), interior) is None
-  assert cp.extend_axes((("lr", (1e-3,)),), {"lr": 1e-3}) is None
+  assert study_lib.extend_axes((("lr", (1e-3, 3e-3, 1e-2)),), interior) is None
+  assert study_lib.extend_axes((("lr", (1e-3,)),), {"lr": 1e-3}) is None
   for name in ("adamw", "stiefel", "rsgd"):   # 3 points per hyperparameter
     assert all(len(v) == 3 for _, v in cp.ARMS[name].grid)
   assert [a for a, _ in cp.ARMS["adamw"].grid] == ["lr", "weight_decay"]
@@ -327,7 +329,7 @@ def _row(t, n, diff, p, seeds):
 
 
 def test_findings_need_confirmation_on_fresh_seeds():
-  key = cp.COMPARISON_KEY
+  key = cifar_report.COMPARISON_KEY
   disc = stats.with_holm([_row("stiefel", 1000, 0.75, 0.002, [0]),
                           _row("rsgd", 8068, 1.5, 0.004, [0])])
   conf = stats.with_holm([_row("stiefel", 1000, 0.13, 0.6, [500]),
@@ -437,7 +439,7 @@ def test_quick_end_to_end_and_resume(tmp_path, capsys):
   for f in ("summary.json", "table.md", "gain_vs_n.png", "curves.png"):
     assert (out / f).stat().st_size > 0
   text = md.read_text()
-  assert "other helper's text" in text and cp.SECTION in text and "+6.79" in text
+  assert "other helper's text" in text and cifar_report.SECTION in text and "+6.79" in text
   assert "Holm p" in text and "none of these comparisons is a finding" in text
   assert str(tmp_path) not in text
   mtimes = {p: p.stat().st_mtime_ns for p in runs}

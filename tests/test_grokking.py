@@ -12,6 +12,7 @@ import pytest
 
 import stiefel_optax as so
 from benchmarks import grokking, harness, modular
+from benchmarks.reports import grokking as report_lib
 
 TINY_CFG = grokking.Config(p=11, d_model=16, num_heads=2, d_mlp=32,
                            log_every=10, train_fraction=0.5)
@@ -67,11 +68,11 @@ def test_arms_share_every_non_qk_weight():
 
 def test_statistics_of_histories():
   h = dict(step=[0, 10, 20, 30], val_acc=[0.0, 0.96, 0.5, 0.97])
-  assert grokking.steps_to_target(h, 0.95) == 10
-  assert grokking.min_after(h, 10) == 0.5
-  assert grokking.steps_to_target(h, 0.99) is None
-  assert grokking.min_after(h, None) is None
-  assert grokking.censored([None, 5], 31) == [31, 5]
+  assert report_lib.steps_to_target(h, 0.95) == 10
+  assert report_lib.min_after(h, 10) == 0.5
+  assert report_lib.steps_to_target(h, 0.99) is None
+  assert report_lib.min_after(h, None) is None
+  assert report_lib.censored([None, 5], 31) == [31, 5]
 
 
 def _summary(hit, final):
@@ -87,9 +88,9 @@ def test_verdict_names_the_faster_arm(faster):
   summ = {arm: {s: _summary(h, 0.9 + 0.01 * s + (arm == faster) * 0.001)
                 for s, h in enumerate(hits[arm])}
           for arm in ("adamw", "stiefel")}
-  comp = grokking.compare_arms(summ, steps=1000)
+  comp = report_lib.compare_arms(summ, steps=1000)
   assert comp["n_never_" + ("stiefel" if faster == "adamw" else "adamw")] == 1
-  verdict = grokking.winner(comp)
+  verdict = report_lib.winner(comp)
   assert verdict.startswith(f"Grokking speed: {faster} ahead")
   assert f"{faster} first in 4," in verdict
 
@@ -168,7 +169,8 @@ def test_results_section_from_template(tiny_study, tmp_path):
   template.write_text("## Grokking\n\nProse kept verbatim.\n\n"
                       "<!-- report: study_a -->\n\nMore prose.\n\n"
                       "<!-- report: study_a long -->\n")
-  body = grokking.section_text(template, plots=False)
+  body = report_lib.section_text(grokking.load_study, grokking.PROBE_ARM,
+                                 template, plots=False)
   table = (out / "table.md").read_text()
   assert body.startswith("## Grokking\n\nProse kept verbatim.\n\n" + table)
   assert "How study_a was trained." in table and "More prose." in body
@@ -176,7 +178,7 @@ def test_results_section_from_template(tiny_study, tmp_path):
   assert long.startswith("| long run") and body.rstrip("\n").endswith(long)
   md = tmp_path / "RESULTS.md"
   md.write_text("# Benchmark results\n\n## CIFAR-10 patch benchmark\n\nkept\n")
-  harness.write_section(md, grokking.SECTION, body)
+  harness.write_section(md, report_lib.SECTION, body)
   text = md.read_text()
   assert text.index(harness.POLICY_HEADING) < text.index("## CIFAR-10")
   assert "kept" in text and text.endswith(body)

@@ -12,7 +12,6 @@ import math
 import os
 import pathlib
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ import pytest
 
 import stiefel_optax as so
 from benchmarks import harness, lm, stats, study as study_lib
+from benchmarks.reports import lm as report_lib
 
 # The quick study's toy model: the unit tests and the study share its
 # compiled operations (nanoGPT's initialisation runs op by op).
@@ -246,7 +246,7 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
     assert text in table
   text = md.read_text()
   assert "other text" in text and text.rstrip().endswith(table.rstrip())
-  assert lm.SECTION in text and str(tmp_path) not in text
+  assert report_lib.SECTION in text and str(tmp_path) not in text
   # rerun: nothing trained, the same files; the report regenerates the
   # same bytes from the raw runs
   files = {p.name: p.read_bytes() for p in (out / "runs").iterdir()}
@@ -364,8 +364,8 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
                     - (c.arm == "stiefel") * (c.stiefel_learning_rate
                                               - abs(ll(c.max_step_norm))))
   done = _fake_runs(st, data, loss, ("adamw", "stiefel"))
-  ad, sf = (lm.tuning_summary(st, a, done, data) for a in ("adamw",
-                                                            "stiefel"))
+  ad, sf = (report_lib.tuning_summary(st, a, lm.tuning_runs(st, a, done, data))
+            for a in ("adamw", "stiefel"))
   assert ad["widenings"] == 2 and ad["status"] == "finished"
   assert ad["chosen"] == {"learning_rate": 0.0333, "weight_decay": 0.1}
   assert sf["widenings"] == 3 and "edge after 3" in sf["status"]

@@ -43,6 +43,17 @@ def test_prints_and_writes_the_tables(quick):
     assert title in md and title in stdout
 
 
+def test_report_only_renders_the_same_tables_from_the_json(quick, tmp_path):
+  res, md, _ = quick
+  (tmp_path / "speed.json").write_text(json.dumps(res))
+  from benchmarks.reports import speed as report  # pylint: disable=g-import-not-at-top
+  assert report.markdown(res) == md
+  speed_module().main(["--report-only", "--out", str(tmp_path)])
+  assert (tmp_path / "speed.md").read_text() == md
+  with pytest.raises(SystemExit):   # no speed.json there: a clear error
+    speed_module().main(["--report-only", "--out", str(tmp_path / "none")])
+
+
 def test_times_and_ratios_are_positive(quick):
   res, _, _ = quick
   rows = res["update"] + [res["train_step"]]
@@ -195,4 +206,5 @@ def test_peer_tiny_run():
   # Both stay on the manifold in float32 after 20 small steps.
   assert r["ours_iso_err"] < 1e-5 and r["geoopt_iso_err"] < 1e-5
   assert r["start_iso_err"] < 1e-6
-  assert "geoopt / ours" in "\n".join(speed._md_peer({"peer": peer}))
+  from benchmarks.reports import speed as report  # pylint: disable=g-import-not-at-top
+  assert "geoopt / ours" in "\n".join(report.peer_lines({"peer": peer}))

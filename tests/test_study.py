@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from benchmarks import harness, study as S
+from benchmarks import study as S
 
 ADAMW = S.Arm("adamw", (("lr", (1e-3, 3e-3, 1e-2)),))
 STIEFEL = S.Arm("stiefel", (("lr", (0.1, 0.3, 1.0)),))

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from absl.testing import parameterized
 
 import stiefel_optax as so
 from stiefel_optax import FrameSpec

@@ -1,0 +1,188 @@
+"""The speed benchmark's report: the markdown tables of a `speed.json`
+(`benchmarks.speed` measures it) — one optimizer update against AdamW and
+against its floor, where its time goes, one training step, the optimizer
+state's bytes, the retractions, the geoopt peer and the native layout —
+each section rendered only if the results hold it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import stiefel_optax as so
+from benchmarks import harness
+
+
+def _fmt_ms(x):
+  return f"{x:.2f}" if x < 10 else f"{x:.1f}"
+
+
+STACK_NOTE = ("stacked: `stiefel_attention(..., stack_frames=True)`, the"
+              " frames of equal shape from all leaves updated as one batch;"
+              " auto: `stack_frames=\"auto\"`, stacks of at most"
+              f" {so.partition.AUTO_STACK_BYTES // 2**20} MiB (larger"
+              " frames per leaf).")
+
+
+def update_lines(res) -> list:
+  out = ["## One optimizer update", ""] + harness.markdown_table(
+      ["tree", "params", "Q/K frames", "adamw ms", "stiefel_attention ms",
+       "ratio", "ratio of CPU time", "stacked ms", "ratio", "auto ms",
+       "ratio"], "lrrrrrrrrrr",
+      [[u["tree"], f"{u['params'] / 1e6:.2f} M", u["qk_frames"],
+        _fmt_ms(u["adamw_ms"]), _fmt_ms(u["stiefel_ms"]), f"{u['ratio']:.2f}",
+        f"{u['cpu_ratio']:.2f}", _fmt_ms(u["stacked_ms"]),
+        f"{u['stacked_ratio']:.2f}", _fmt_ms(u["auto_ms"]),
+        f"{u['auto_ratio']:.2f}"] for u in res["update"]])
+  u = res["update"][0]
+  out += ["", STACK_NOTE,
+          "", f"Against the floor ({u['tree']}: AdamW on the non-Q/K leaves"
+          f" plus the five products, {_fmt_ms(u['floor_ms'])} ms):"
+          f" stiefel_attention {u['floor_ratio']:.3f}x (CPU time"
+          f" {u['floor_cpu_ratio']:.3f}x); stacked"
+          f" {u['stacked_floor_ratio']:.3f}x, auto"
+          f" {u['auto_floor_ratio']:.3f}x."]
+  prof = u["profile"]
+  out += ["", f"## Where the update's time goes ({u['tree']})", ""]
+  out += harness.markdown_table(
+      ["part", "ms", "CPU ms"], "lrr",
+      [[k, _fmt_ms(v), _fmt_ms(prof["parts_cpu_ms"][k])]
+       for k, v in prof["parts_ms"].items()])
+  out += ["", f"{prof['frames']} frames of ({prof['d']}, {prof['r']}); the"
+          f" floor's products run at {prof['floor_gflops_per_s']:.1f} GFLOP/s."]
+  return out
+
+
+def train_step_lines(res) -> list:
+  t = res["train_step"]
+  return ["## One training step (forward, backward, update, apply)",
+          ""] + harness.markdown_table(
+              ["model", "params", "adamw ms", "stiefel_attention ms", "ratio",
+               "ratio of CPU time", "stacked ms", "ratio", "auto ms", "ratio"],
+              "lrrrrrrrrr",
+              [[t["model"], f"{t['params'] / 1e6:.2f} M",
+                _fmt_ms(t["adamw_ms"]), _fmt_ms(t["stiefel_ms"]),
+                f"{t['ratio']:.3f}", f"{t['cpu_ratio']:.3f}",
+                _fmt_ms(t["stacked_ms"]), f"{t['stacked_ratio']:.3f}",
+                _fmt_ms(t["auto_ms"]), f"{t['auto_ratio']:.3f}"]])
+
+
+def state_lines(res) -> list:
+  mb = lambda b: f"{b / 2**20:.2f}"
+  return ["## Optimizer state of the Q/K kernels", ""] + harness.markdown_table(
+      ["tree", "Q/K params MB", "adamw MB", "stiefel_attention MB", "ratio"],
+      "lrrrr",
+      [[s["tree"], mb(s["qk_param_bytes"]), mb(s["adamw_bytes"]),
+        mb(s["stiefel_bytes"]), f"{s['ratio']:.4f}"] for s in res["state"]])
+
+
+def retraction_lines(res) -> list:
+  rows = []
+  for r in res["retraction"]:
+    name = r["method"]
+    if "ns_steps_delta_0.1" in r:
+      name += (f" ({r['ns_steps_delta_0.1']} / {r['ns_steps_delta_1']} steps)")
+    shape = f"({r['d']}, {r['r']}) x {r['heads']}"
+    rows.append([name, shape, r["status"], "", ""] if "status" in r else
+                [name, shape, _fmt_ms(r["ms"]), f"{r['iso_err_delta_0.1']:.1e}",
+                 f"{r['iso_err_delta_1']:.1e}"])
+  out = ["## Polar retraction of a batch of d / r heads, float32", ""]
+  out += harness.markdown_table(
+      ["method", "(d, r) x heads", "ms", "isometry error, delta 0.1",
+       "isometry error, delta 1"], "llrrr", rows)
+  out += ["", "Isometry error: max ||Q^T Q - I||_F of the float32 result,"
+          " Q^T Q formed in float64. Newton–Schulz is timed sized for"
+          " delta = 0.1 (the default cap); its delta = 1 error uses the steps"
+          " sized for delta = 1."]
+  return out
+
+
+def layout_lines(res) -> list:
+  r = res["layout"]
+  out = ["## Native layout against the frame view, float32", ""]
+  out += harness.markdown_table(
+      ["layout", f"{r['leaves']} x {tuple(r['kernel'])} kernels, ms",
+       "transposes and copies in the compiled program"], "lrr",
+      [[x["layout"], _fmt_ms(x["ms"]), str(x["transposes"])]
+       for x in r["rows"]])
+  out += ["", "The step's five d x r x r products (W^T G, W^T m, W S,"
+          " (W + xi)^T (W + xi), (W + xi) Z) per leaf, one jitted program"
+          " for all leaves: as einsums over the kernel's own axes"
+          " (`dhr,dhs->hrs`, `dhr,hrs->dhs`) with the momentum in kernel"
+          " layout, and as the library computes them (W and G viewed as"
+          " (heads, d, r) frames, the momentum kept in that view, the step"
+          " transposed back). Native / view:"
+          f" {r['native_over_view']:.2f}. Transposes: the `transpose` and"
+          " `copy` instructions of XLA's optimized program on"
+          f" {r['backend']}. Where the native program holds as many or more,"
+          " XLA transposes the einsums' operands itself (its dot takes the"
+          " batch axis, the heads, major), once per product instead of once"
+          " per step: computing in the kernel's layout then moves the"
+          " copies into XLA rather than removing them."]
+  return out
+
+
+PEER_TITLE = ("## Peer: geoopt's RiemannianAdam on EuclideanStiefel"
+              " (PyTorch, CPU)")
+
+
+def peer_lines(res) -> list:
+  p = res["peer"]
+  out = [PEER_TITLE, ""]
+  if p["status"] == "skipped":
+    return out + [f"Skipped: {p['message']}."]
+  out += harness.markdown_table(
+      ["workload", "leaves x (heads, d, r)", "stiefel_adam ms", "geoopt ms",
+       "geoopt / ours", "ratio of CPU time", "stacked ms", "geoopt / stacked",
+       "auto ms", "geoopt / auto", "isometry error, ours",
+       "isometry error, geoopt"], "llrrrrrrrrrr",
+      [[r["workload"], f"{r['leaves']} x ({', '.join(map(str, r['shape']))})",
+        _fmt_ms(r["ours_ms"]), _fmt_ms(r["geoopt_ms"]), f"{r['ratio']:.2f}",
+        f"{r['cpu_ratio']:.2f}", _fmt_ms(r["ours_stacked_ms"]),
+        f"{r['ratio_stacked']:.2f}", _fmt_ms(r["ours_auto_ms"]),
+        f"{r['ratio_auto']:.2f}", f"{r['ours_iso_err']:.1e}",
+        f"{r['geoopt_iso_err']:.1e}"] for r in p["rows"]])
+  if p["status"] != "ok":
+    out += ["", f"Failed after {len(p['rows'])} workload(s): {p['message']}"]
+  if p["rows"]:
+    r = p["rows"][0]
+    out += ["", f"One step each, lr {p['lr']:g}, same float32 frames and"
+            " gradients (NumPy, fixed seed): ours one jitted `stiefel_adam`"
+            " update plus `optax.apply_updates` (stacked, auto: the"
+            " leaves stacked by `frame_partition(..., stack_frames=True"
+            " / \"auto\")`), geoopt one"
+            " `optimizer.step()` with the gradients set. Medians over"
+            f" {r['rounds']} rounds, each geoopt's k steps (in the child"
+            " process) then ours k (k per workload: "
+            + ", ".join(f"{x['k']}" for x in p["rows"]) + "). torch"
+            f" {p['torch']} ({p['torch_threads']} threads), geoopt"
+            f" {p['geoopt']}; jax on {p['threads']} cores. Isometry error:"
+            f" max ||W^T W - I||_F (float64) after {r['iso_steps']} steps"
+            f" from the same frames (start: {r['start_iso_err']:.1e}). Both"
+            " keep one second moment per frame; ours caps the step at 0.1"
+            " and retracts by polar (Newton–Schulz), geoopt by QR."]
+  return out
+
+
+# (key of speed.json, the lines of its section), in the order printed.
+MD_SECTIONS = (("update", update_lines), ("train_step", train_step_lines),
+               ("state", state_lines), ("retraction", retraction_lines),
+               ("peer", peer_lines), ("layout", layout_lines))
+
+
+def markdown(res: Dict[str, Any]) -> str:
+  """The tables of the sections that `res` holds."""
+  title = ("stiefel_adam vs geoopt" if res.get("peer_only")
+           else "stiefel_attention vs optax.adamw")
+  out = [f"# Speed: {title}{' (quick)' if res['quick'] else ''}",
+         "",
+         f"Command: `{res['command']}`. {res['machine']}. Load average"
+         f" (1/5/15 min) before {res['load_before']}, after"
+         f" {res['load_after']}. Times: medians of jitted calls after"
+         " warm-up, both sides alternated in the same run; ms are wall-clock,"
+         " CPU ms the process's CPU time per call (all threads; steadier"
+         " when other jobs share the cores)."]
+  for key, section in MD_SECTIONS:
+    if key in res:
+      out += [""] + section(res)
+  return "\n".join(out) + "\n"
