@@ -2,6 +2,8 @@
 
     python -m benchmarks.grokking            # reduced default, a few minutes
     python -m benchmarks.grokking --full     # the longer study, resumable
+    python -m benchmarks.grokking --full --time-budget 3600
+                                             # stops itself between jobs
     python -m benchmarks.grokking --quick    # a smoke run, under a minute
     python -m benchmarks.grokking --report-only --results-md benchmarks/RESULTS.md
                                              # the committed tables and section
@@ -354,9 +356,12 @@ def part_of(cfg: Config, jobs: list, out: Optional[Path], part: int,
 
 def run_study(cfg: Config, study: Study, out: Optional[Path],
               show_progress: bool = False, part: int = 0,
-              parts: int = 1, command: str = "") -> dict:
+              parts: int = 1, command: str = "",
+              time_budget: float = 0.0) -> dict:
   """Runs (or resumes) every job (or one part of them); returns the runs
-  keyed arm -> seed."""
+  keyed arm -> seed. With time_budget > 0 it stops before a job expected
+  to end past that many seconds (a job's steps at the seconds per step of
+  the jobs run so far)."""
   jobs = schedule(study)
   if parts > 1:
     jobs = part_of(cfg, jobs, out, part, parts)
@@ -367,22 +372,33 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
                mininterval=5.0)
   runs = {arm: {} for arm in study.arms + (PROBE_ARM,)}
   left = list(jobs)
+  spent = [0.0, 0]   # seconds and steps of the jobs run so far
 
   def execute(job):
     arm, seed, steps = job
     if bar is not None:
       bar.set_postfix_str(f"{arm} seed {seed} -> {steps}")
+    t0 = time.time()
     runs[arm][seed] = train_run(cfg, arm, seed, steps, out, bar,
                                 command=command)
+    spent[0] += time.time() - t0
+    spent[1] += steps
     left.remove(job)
     return runs[arm][seed]
+
+  def expected_s(job) -> Optional[float]:
+    return job[2] * spent[0] / spent[1] if spent[1] else None
 
   # The shared runner; the bar counts steps here (a run's length varies).
   study_lib.run_tasks(lambda: left, execute, desc="grokking",
                       describe=lambda job, _: f"{job[0]} seed {job[1]}:"
-                      f" step {job[2]}", log=lambda _: None, progress=False)
+                      f" step {job[2]}", log=lambda _: None, progress=False,
+                      expected_s=expected_s, time_budget=time_budget)
   if bar is not None:
     bar.close()
+  if left:   # stopped by the time budget: say so (the bar does not)
+    print(f"time budget {time_budget:.0f} s: stopped with {len(left)} job(s)"
+          " left; the same command resumes them.", file=sys.stderr)
   return runs
 
 
@@ -433,6 +449,7 @@ def parse_args(argv):
                  help="free text written to <out>/notes.md, which every"
                       " report of that folder includes verbatim")
   p.add_argument("--no-progress", action="store_true")
+  harness.add_time_budget_arg(p, "job")
   return p.parse_args(argv)
 
 
@@ -490,7 +507,8 @@ def main(argv=None) -> dict:
                        indent=1)
     part, parts = (int(x) for x in args.part.split("/"))
     run_study(cfg, study, out, not args.no_progress, part, parts,
-              harness.command_line("benchmarks.grokking", argv))
+              harness.command_line("benchmarks.grokking", argv),
+              args.time_budget)
   rep = report_lib.report(out, cfg, study,
                           saved_study(cfg, study, out, runs_from), PROBE_ARM,
                           plots=not args.no_plots)

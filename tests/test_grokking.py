@@ -204,3 +204,15 @@ def test_records_hold_every_quantity():
     assert all(m > 0 for m in h["move"][-1][key])
   assert "block_0/mlp_in/kernel" in h["norms"][-1]
   assert not any("query" in k or "key/" in k for k in h["norms"][-1])
+
+
+def test_time_budget_stops_between_jobs_and_says_so(tmp_path, capsys):
+  out = tmp_path / "grok"
+  # The first job always runs; the budget stops the study before the next,
+  # and with one arm's run alone there is nothing to pair: said, not a table.
+  with pytest.raises(SystemExit, match="nothing to report"):
+    grokking.main(TINY + ["--out", str(out), "--time-budget", "1e-9",
+                          "--no-plots"])
+  assert len(list((out / "runs").glob("*.json"))) == 1
+  err = capsys.readouterr().err
+  assert "time budget" in err and "the same command resumes them" in err
