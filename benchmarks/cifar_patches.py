@@ -298,10 +298,11 @@ def make_epoch_fn(model: Transformer, tx, mean, std):
 
 
 def make_eval_fn(model: Transformer, mean, std):
+  """jit(params, x, y) -> accuracy on the images x (uint8) and labels y."""
   @jax.jit
   def accuracy(params, x, y):
     logits = model.apply({"params": params}, normalize(x, mean, std))
-    return jnp.mean(jnp.argmax(logits, -1) == y)
+    return training.loss_and_accuracy(logits, y)[1]
   return accuracy
 
 

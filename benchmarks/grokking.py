@@ -121,11 +121,8 @@ def make_model(cfg: Config) -> models.Transformer:
 
 def loss_and_accuracy(model: models.Transformer, params, tokens, labels):
   """Mean cross-entropy on the answer token, and accuracy."""
-  logits = model.apply({"params": params}, tokens)
-  loss = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), labels).mean()
-  acc = jnp.mean(jnp.argmax(logits, -1) == labels)
-  return loss, acc
+  return training.loss_and_accuracy(
+      model.apply({"params": params}, tokens), labels)
 
 
 @functools.lru_cache(maxsize=None)

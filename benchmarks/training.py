@@ -1,4 +1,5 @@
-"""The one training loop every benchmark runs, and its checkpoint.
+"""The one training loop every benchmark runs, its checkpoint, and the one
+evaluation of a classifier's logits.
 
 A chunk is `k` optimizer steps in one `lax.scan`: per step
 
@@ -30,6 +31,7 @@ import pathlib
 from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -57,6 +59,22 @@ def train_chunk(loss_fn: Callable, tx: optax.GradientTransformation,
     return carry, losses.mean(), jax.tree.map(lambda a: a.mean(0), aux)
 
   return chunk
+
+
+def loss_and_accuracy(logits: jax.Array, labels: jax.Array):
+  """(mean cross-entropy in float32, accuracy) of `logits` (..., classes)
+  against integer `labels` (...): grokking's answer token, CIFAR's image
+  class.
+
+  >>> import jax.numpy as jnp
+  >>> loss, acc = loss_and_accuracy(jnp.array([[0.0, 9.0], [0.0, 9.0]]),
+  ...                               jnp.array([1, 0]))
+  >>> float(acc), round(float(loss), 3)      # one right, one wrong by 9
+  (0.5, 4.5)
+  """
+  loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), labels).mean()
+  return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
 
 
 def save_carry(path: os.PathLike, carry) -> None:
