@@ -49,8 +49,9 @@ cat "$OUT/machine.txt"
 # (a) speed: one update on a GPT-2-small-shaped tree; one training step of a
 # GPT-2-small-shaped causal LM (12 x d768, 12 heads, vocab 50304, 8 x 1024).
 [ "${SPEED:-1}" = 0 ] || TOY="$TOY" OUT="$OUT" "$PY" - <<'EOF'
-import json, os, pathlib
+import os, pathlib
 from benchmarks import harness, speed
+from benchmarks.reports import speed as speed_report
 toy = os.environ["TOY"] == "1"
 tree = speed.GPT2_QUICK if toy else speed.GPT2_SMALL
 lm = speed.LM_QUICK if toy else speed.LMConfig(
@@ -63,16 +64,7 @@ res = dict(machine=harness.machine(),
                *((2, 64, 4, 16) if toy else speed.LAYOUT_WORKLOAD), iters))
 out = pathlib.Path(os.environ["OUT"]) / "speed"
 harness.write_json(out / "speed.json", res, indent=1)
-rows = ["| what | adamw ms | stiefel_attention ms | ratio | stacked ms"
-        " | ratio | auto ms | ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-for name, r in (("update: " + res["update"]["tree"], res["update"]),
-                ("train step: " + res["train_step"]["model"], res["train_step"])):
-  rows.append(f"| {name} | {r['adamw_ms']:.3f} | {r['stiefel_ms']:.3f}"
-              f" | {r['ratio']:.3f} | {r['stacked_ms']:.3f}"
-              f" | {r['stacked_ratio']:.3f} | {r['auto_ms']:.3f}"
-              f" | {r['auto_ratio']:.3f} |")
-md = (f"Machine: {harness.machine_line(res['machine'])}\n\n" + "\n".join(rows)
-      + "\n\n" + "\n".join(speed._md_layout(res)) + "\n")
+md = speed_report.accelerator_markdown(res)
 harness.write_text(out / "speed.md", md)
 print(md)
 EOF

@@ -119,7 +119,7 @@ def make_model(cfg: Config) -> models.Transformer:
       depth=cfg.num_layers))
 
 
-def loss_and_accuracy(model: models.Transformer, params, tokens, labels):
+def evaluate(model: models.Transformer, params, tokens, labels):
   """Mean cross-entropy on the answer token, and accuracy."""
   return training.loss_and_accuracy(
       model.apply({"params": params}, tokens), labels)
@@ -182,7 +182,7 @@ def chunk_fn(cfg: Config, arm: str):
   """jit(carry, None, train_x, train_y) -> (carry, mean loss, mean Q/K
   movement): `log_every` full-batch steps of `training.train_chunk`."""
   model, tx = make_model(cfg), make_optimizer(cfg, arm)
-  loss = lambda p, x, y: loss_and_accuracy(model, p, x, y)[0]
+  loss = lambda p, x, y: evaluate(model, p, x, y)[0]
   return jax.jit(training.train_chunk(loss, tx, lambda _, x, y: (x, y),
                                       aux_fn=so.frame_movement,
                                       length=cfg.log_every))
@@ -194,8 +194,8 @@ def measure_fn(cfg: Config):
   model = make_model(cfg)
 
   def measure(params, data):
-    tl, ta = loss_and_accuracy(model, params, data.train_x, data.train_y)
-    vl, va = loss_and_accuracy(model, params, data.val_x, data.val_y)
+    tl, ta = evaluate(model, params, data.train_x, data.train_y)
+    vl, va = evaluate(model, params, data.val_x, data.val_y)
     return dict(train_loss=tl, train_acc=ta, val_loss=vl, val_acc=va,
                 iso=so.frame_isometry_errors(params),
                 norms=other_norms(params))
@@ -357,8 +357,8 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
               time_budget: float = 0.0) -> dict:
   """Runs (or resumes) every job (or one part of them); returns the runs
   keyed arm -> seed. With time_budget > 0 it stops before a job expected
-  to end past that many seconds (a job's steps at the seconds per step of
-  the jobs run so far)."""
+  to end past that many seconds (the steps it has left, at the seconds per
+  step trained so far in this call); the first job always runs."""
   jobs = schedule(study)
   if parts > 1:
     jobs = part_of(cfg, jobs, out, part, parts)
@@ -369,22 +369,23 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
                mininterval=5.0)
   runs = {arm: {} for arm in study.arms + (PROBE_ARM,)}
   left = list(jobs)
-  spent = [0.0, 0]   # seconds and steps of the jobs run so far
+  spent = [0.0, 0]   # seconds and steps trained so far (resumed ones not)
 
   def execute(job):
     arm, seed, steps = job
     if bar is not None:
       bar.set_postfix_str(f"{arm} seed {seed} -> {steps}")
-    t0 = time.time()
+    todo, t0 = remaining(cfg, job, out), time.time()
     runs[arm][seed] = train_run(cfg, arm, seed, steps, out, bar,
                                 command=command)
     spent[0] += time.time() - t0
-    spent[1] += steps
+    spent[1] += todo
     left.remove(job)
     return runs[arm][seed]
 
   def expected_s(job) -> Optional[float]:
-    return job[2] * spent[0] / spent[1] if spent[1] else None
+    return (remaining(cfg, job, out) * spent[0] / spent[1] if spent[1]
+            else None)
 
   # The shared runner; the bar counts steps here (a run's length varies).
   study_lib.run_tasks(lambda: left, execute, desc="grokking",
@@ -488,9 +489,8 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   t0 = time.time()
   if args.report_only and args.results_md and args.out is None:
-    harness.write_section(args.results_md, report_lib.SECTION,
-                          report_lib.section_text(load_study, PROBE_ARM,
-                                                  plots=not args.no_plots))
+    report_lib.write_section(args.results_md, load_study, PROBE_ARM,
+                             plots=not args.no_plots)
     print(f"{args.results_md}: {report_lib.SECTION} regenerated from"
           f" {harness.portable(report_lib.SECTION_TEMPLATE)} and the runs it"
           " names")
@@ -510,9 +510,8 @@ def main(argv=None) -> dict:
                           saved_study(cfg, study, out, runs_from), PROBE_ARM,
                           plots=not args.no_plots)
   if args.results_md:
-    harness.write_section(args.results_md, report_lib.SECTION,
-                          report_lib.section_text(load_study, PROBE_ARM,
-                                                  plots=not args.no_plots))
+    report_lib.write_section(args.results_md, load_study, PROBE_ARM,
+                             plots=not args.no_plots)
   print(rep["table"])
   print(f"\nresults: {out} ({time.time() - t0:.0f} s this invocation)")
   return rep

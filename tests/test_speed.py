@@ -54,6 +54,19 @@ def test_report_only_renders_the_same_tables_from_the_json(quick, tmp_path):
     speed_module().main(["--report-only", "--out", str(tmp_path / "none")])
 
 
+def test_accelerator_report_renders_its_speed_part(quick):
+  """benchmarks/accelerator.sh's part (a) on the GPU renders through this
+  function; its toy test skips part (a), so the rendering is checked here."""
+  from benchmarks import harness  # pylint: disable=g-import-not-at-top
+  from benchmarks.reports import speed as report  # pylint: disable=g-import-not-at-top
+  res, _, _ = quick
+  md = report.accelerator_markdown(dict(
+      machine=harness.machine(), update=res["update"][0],
+      train_step=res["train_step"], layout=res["layout"]))
+  assert md.startswith("Machine: ") and "| update: GPT-2-like" in md
+  assert "| train step: causal LM" in md and "Native layout" in md
+
+
 def test_times_and_ratios_are_positive(quick):
   res, _, _ = quick
   rows = res["update"] + [res["train_step"]]

@@ -2,7 +2,7 @@
 summary JSON and generated RESULTS.md section (`--report-only`).
 
 An experiment module (`benchmarks.cifar_patches`, `benchmarks.lm`,
-`benchmarks.grokking`) defines its configurations, arms and data, trains and
+`benchmarks.grokking`, `benchmarks.speed`) defines its configurations, arms and data, trains and
 calls its report; a report module reads records and never imports its
 experiment (what it needs of it, e.g. the arms' order, is passed in). The
 shared pieces, the paired statistics and the table and finding formats, are

@@ -78,8 +78,8 @@ COMPARISON_KEY = ("treatment", "baseline", "size")
 
 def comparisons(recs, arms: Sequence[str], block: str = "discovery") -> list:
   """At every n, each of `arms` (in their order) against adamw, then
-  stiefel against each other arm (`study_lib.comparison_pairs`), where both ran; Holm-adjusted across
-  them."""
+  stiefel against each other arm (`study_lib.comparison_pairs`), where
+  both ran; Holm-adjusted across them."""
   sizes = sorted({r["n"] for r in recs if r["kind"] == "run"})
   return comparison_rows(
       recs, [dict(treatment=t, baseline=b, size=n) for n in sizes
@@ -91,8 +91,8 @@ def chosen_table(recs) -> dict:
   accs = {}
   for r in recs:
     if r["kind"] == "tune":
-      accs.setdefault(r["arm"], {}).setdefault(study_lib.point_key(r["hp"]), []).append(
-          r["val_acc"])
+      point = study_lib.point_key(r["hp"])
+      accs.setdefault(r["arm"], {}).setdefault(point, []).append(r["val_acc"])
   return {a: {k: [float(np.mean(v)), len(v)] for k, v in g.items()}
           for a, g in accs.items()}
 
@@ -128,7 +128,8 @@ def plot_gain_vs_n(rows, path: pathlib.Path) -> None:
   harness.save_figure(fig, path, dpi=120)
 
 
-def plot_curves(recs, n: int, arms: Sequence[str], path: pathlib.Path) -> None:
+def plot_curves(recs, n: int, arms: Sequence[str],
+                path: pathlib.Path) -> None:
   plt = harness.pyplot()
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
   for k, arm in enumerate(arms):
@@ -266,7 +267,8 @@ def paper_table(rows) -> str:
        for (label, _, _, _, paper), r in zip(PAPER_ROWS, rows)]))
 
 
-def supplementary_text(out: pathlib.Path, arms: Sequence[str], data: str) -> str:
+def supplementary_text(out: pathlib.Path, arms: Sequence[str],
+                       data: str) -> str:
   """The tables of runs kept in subfolders of out (other configurations,
   e.g. --dim 64 or --epochs 15 with --hp-from), each subfolder's report
   regenerated from its raw runs."""

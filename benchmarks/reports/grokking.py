@@ -507,3 +507,10 @@ def section_text(load: Callable[[Path], tuple], probe_arm: str,
     rep = report(out, *load(out), probe_arm, plots=plots)
     return rep["table"] if part == "all" else rep["results"]["long"]["table"]
   return harness.expand(template.read_text(), {"report": study})
+
+
+def write_section(path: Path, load: Callable[[Path], tuple], probe_arm: str,
+                  plots: bool = True) -> None:
+  """The Grokking section (`section_text`) into the RESULTS.md at `path`."""
+  harness.write_section(path, SECTION, section_text(load, probe_arm,
+                                                    plots=plots))

@@ -68,7 +68,7 @@ def preset_of(config: Mapping, presets: Mapping) -> Optional[str]:
   """'cpu' / 'gpu' when config is that published AdamW setting (whatever its
   evaluation cadence), else None; presets as `Experiment.presets`."""
   for name, ref in presets.items():
-    if name in PUBLISHED and all(config[f] == ref[f] for f in MODEL_FIELDS):
+    if name in PUBLISHED and all(config.get(f) == ref[f] for f in MODEL_FIELDS):
       return name
   return None
 
@@ -444,10 +444,8 @@ def study_markdown(study: Study, s: dict, reference: Mapping,
       f" {grid_density(study)}, widened geometrically past an edge its best"
       f" point lands on (at most {study.max_extensions} widening(s)); an"
       f" AdamW lr brings its floor lr / {experiment.lr_floor}. The non-Q/K"
-      " weights of"
-      " every arm but the AdamW"
-      " recipes (adamw, qk_norm, orthogonal_init) train with adamw's chosen"
-      " lr and weight decay.", ""]
+      " weights of every arm but the AdamW recipes (adamw, qk_norm,"
+      " orthogonal_init) train with adamw's chosen lr and weight decay.", ""]
   rows = []
   for a in study.arms:
     t = s["tuning"][a]

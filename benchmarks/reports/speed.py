@@ -186,3 +186,20 @@ def markdown(res: Dict[str, Any]) -> str:
     if key in res:
       out += [""] + section(res)
   return "\n".join(out) + "\n"
+
+
+def accelerator_markdown(res: Dict[str, Any]) -> str:
+  """speed.md of `benchmarks/accelerator.sh`'s part (a): the machine, one
+  row each for the update and the training step (per leaf, stacked, auto,
+  each against adamw), then the native-layout table."""
+  rows = [[f"update: {res['update']['tree']}", res["update"]],
+          [f"train step: {res['train_step']['model']}", res["train_step"]]]
+  lines = harness.markdown_table(
+      ["what", "adamw ms", "stiefel_attention ms", "ratio", "stacked ms",
+       "ratio", "auto ms", "ratio"], "lrrrrrrr",
+      [[name, f"{r['adamw_ms']:.3f}", f"{r['stiefel_ms']:.3f}",
+        f"{r['ratio']:.3f}", f"{r['stacked_ms']:.3f}",
+        f"{r['stacked_ratio']:.3f}", f"{r['auto_ms']:.3f}",
+        f"{r['auto_ratio']:.3f}"] for name, r in rows])
+  return (f"Machine: {harness.machine_line(res['machine'])}\n\n"
+          + "\n".join(lines) + "\n\n" + "\n".join(layout_lines(res)) + "\n")
