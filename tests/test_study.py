@@ -206,3 +206,18 @@ def test_comparison_pairs_put_every_arm_against_adamw_then_stiefel_first():
       ("stiefel", "rsgd"), ("stiefel", "frozen")]
   # without the method, only the baseline comparisons
   assert S.comparison_pairs(["adamw", "rsgd"]) == [("rsgd", "adamw")]
+
+
+def test_tuning_grid_is_a_product_widened_past_its_edges():
+  axes = (("lr", (1e-3, 3e-3, 1e-2)), ("weight_decay", (0.01, 0.05)))
+  points = S.grid_points(axes)
+  assert len(points) == 6 and points[0] == {"lr": 1e-3, "weight_decay": 0.01}
+  scores = {S.point_key(p): p["lr"] for p in points}       # best: largest lr
+  best = S.best_point(axes, scores, higher_is_better=True)
+  assert best == {"lr": 1e-2, "weight_decay": 0.01}       # tie: grid order
+  wider = S.extend_axes(axes, best)
+  assert wider == (("lr", (1e-3, 3e-3, 1e-2, 0.0333)),
+                   ("weight_decay", (0.002, 0.01, 0.05)))
+  interior = {"lr": 3e-3, "weight_decay": 0.05}
+  assert S.extend_axes((("lr", (1e-3, 3e-3, 1e-2)),), interior) is None
+  assert S.extend_axes((("lr", (1e-3,)),), {"lr": 1e-3}) is None
