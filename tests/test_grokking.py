@@ -95,6 +95,21 @@ def test_verdict_names_the_faster_arm(faster):
   assert f"{faster} first in 4," in verdict
 
 
+def test_verdict_names_neither_arm_when_the_difference_rounds_to_zero():
+  # stiefel 0.25 steps faster and 0.0000025 more accurate on the mean:
+  # both print as 0, so neither arm is named ahead.
+  hits = dict(adamw=[300, 400, 500, 600], stiefel=[301, 399, 501, 598])
+  more = dict(adamw=[0.0] * 4, stiefel=[1e-5, -2e-5, 3e-5, -1e-5])
+  base = [0.5, 0.7, 0.9, 0.6]
+  summ = {arm: {s: _summary(h, base[s] + more[arm][s])
+                for s, h in enumerate(hits[arm])}
+          for arm in ("adamw", "stiefel")}
+  verdict = report_lib.winner(report_lib.compare_arms(summ, steps=1000))
+  assert verdict.startswith("Grokking speed: neither arm ahead"), verdict
+  assert "stiefel - adamw +0 steps" in verdict
+  assert "Final validation accuracy: neither arm higher" in verdict
+
+
 @pytest.fixture(scope="module")
 def tiny_study(tmp_path_factory):
   """The TINY study trained once: (its folder, main()'s result)."""

@@ -143,14 +143,14 @@ def winner(comp: dict) -> str:
   if comp["n_never_adamw"] == comp["n_never_stiefel"] == n:
     return (f"Neither arm reached the target in any of {n} seeds: no"
             " grokking winner.")
-  if st["mean_diff"] == 0:
-    faster = "neither arm"
-  else:
-    faster = "stiefel" if st["mean_diff"] < 0 else "adamw"
+  # The arm ahead is named from the difference as printed, so a mean that
+  # rounds to 0 steps (or 0.0000 accuracy) reads "neither arm".
+  steps, acc = round(st["mean_diff"]), round(fv["mean_diff"], 4)
+  faster = ("stiefel" if steps < 0 else "adamw" if steps > 0
+            else "neither arm")
   sig = ("significant at 0.05 after Holm" if st["holm"] < 0.05
          else "not significant at 0.05 after Holm")
-  higher = ("stiefel" if fv["mean_diff"] > 0 else
-            "adamw" if fv["mean_diff"] < 0 else "neither arm")
+  higher = ("stiefel" if acc > 0 else "adamw" if acc < 0 else "neither arm")
   # `z`: a difference that rounds to zero reads +0, not -0 (as in the table).
   return (f"Grokking speed: {faster} ahead on the mean ({sig}; mean"
           f" difference stiefel - adamw {st['mean_diff']:+z.0f} steps, paired"
