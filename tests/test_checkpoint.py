@@ -51,17 +51,26 @@ TX = so.stiefel_attention(3e-2)
 RULE = jax.random.normal(jax.random.PRNGKey(123), (D, CLASSES))
 
 
+# Jitted (one compiled program each, in this process and in the fresh one,
+# instead of one per operation): both processes run the same programs, so
+# the comparison stays bit for bit.
+@jax.jit
 def batch(seed, t):
   x = jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(seed), t),
                         (BATCH, SEQ, D))
   return x, jnp.argmax(jnp.mean(x, axis=1) @ RULE, axis=-1)
 
 
-def setup(seed):
-  """(params, opt_state) from the seed; frames orthonormalised."""
+@jax.jit
+def _start(seed):
   x, _ = batch(seed, 10_000)  # an input for shapes, not a training batch
-  params = MODEL.init(jax.random.PRNGKey(seed), x)["params"]
-  params = so.orthonormalize(params)
+  return so.orthonormalize(MODEL.init(jax.random.PRNGKey(seed), x)["params"])
+
+
+def setup(seed):
+  """(params, opt_state) from the seed; frames orthonormalised (TX.init on
+  the concrete params: it checks that they are)."""
+  params = _start(seed)
   return params, TX.init(params)
 
 
@@ -95,12 +104,16 @@ def save(path, params, state, step):
 
 def restore(path, tx, params_like):
   """Restores against the abstract tree of tx.init: MaskedNode/EmptyState
-  leaves, NamedTuple states and dtypes come back exactly."""
-  target = {"params": params_like, "opt_state": tx.init(params_like),
-            "step": 0}
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+  leaves, NamedTuple states and dtypes come back exactly. params_like:
+  arrays or their shapes and dtypes (nothing is computed for the target:
+  jax.eval_shape)."""
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+      {"params": params_like,
+       "opt_state": jax.eval_shape(tx.init, params_like)})
   with ocp.StandardCheckpointer() as ckpt:
-    return ckpt.restore(path, abstract)
+    return ckpt.restore(path, {**abstract, "step": 0})
 
 
 def library_sources():
@@ -146,7 +159,7 @@ def assert_bitwise_equal(a, b):
 
 def resume_main(ckpt_dir, out, seed=0):
   """Fresh process: restore, continue to TOTAL, write leaves to out.npz."""
-  params_like, _ = setup(seed)
+  params_like = jax.eval_shape(_start, seed)   # shapes only: all is restored
   restored = restore(ckpt_dir, TX, params_like)
   params, state, losses = train(seed, restored["params"],
                                 restored["opt_state"], int(restored["step"]),

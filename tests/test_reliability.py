@@ -200,7 +200,7 @@ def poison(grads, kind):
   return jax.tree.map(lambda x: jnp.full_like(x, np.nan), grads)
 
 
-def test_apply_if_finite_skips_the_whole_step():
+def test_apply_if_finite_skips_the_whole_step(warm):
   """optax.apply_if_finite around stiefel_attention: a step with any
   non-finite gradient is skipped as a whole (zero update, inner state
   bit-identical), and the run continues exactly as if it had not happened."""
@@ -234,9 +234,9 @@ def test_apply_if_finite_skips_the_whole_step():
     jax.tree.map(np.testing.assert_array_equal, p, ref[t])
   assert skipped == len(IF_FINITE_FAULTS)
   assert max_err(p) <= 1e-5 and all_finite(s)
-  # Unwrapped, the same optimizer takes the same good steps.
-  plain = so.stiefel_attention(LR)
-  plain_step = make_step(plain)
+  # Unwrapped, the same optimizer takes the same good steps (the `warm`
+  # fixture's stiefel_attention(LR) and its compiled step, from the start).
+  plain, plain_step, _, _ = warm
   q, qs = params0, plain.init(params0)
   for t in range(6):
     q, qs, _ = plain_step(q, qs, grad_at(q, t))

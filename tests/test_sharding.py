@@ -3,9 +3,10 @@
 XLA reads `--xla_force_host_platform_device_count` when jax initialises its
 CPU backend, so the sharded programs run in a child process that sets
 XLA_FLAGS before importing jax; it prints one JSON line that the tests read.
-Each case runs 3 steps of `stiefel_attention` unsharded and sharded, and
-reads the collectives of the compiled sharded update (the executable that
-ran).
+Each case runs 3 steps of `stiefel_attention` unsharded and sharded (the
+stacked heads case against the per-leaf case's unsharded run, on the same
+params and gradients), and reads the collectives of the compiled sharded
+update (the executable that ran).
 
 * Heads-sharded: the query/key kernels (d, heads, head_dim) sharded over the
   heads axis put every frame whole on one device; the update must equal the
@@ -38,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r'''
 import functools, json, re
-import jax, jax.numpy as jnp, numpy as np, optax
+import jax, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import stiefel_optax as so
 
@@ -52,6 +53,10 @@ QK = so.specs.QK_KERNEL
 # collectives run as always.
 jit = functools.partial(
     jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+# The trees, gradients and states are built, moved and compared as NumPy
+# arrays on the host: jax would compile a small program for each eager op
+# on each leaf shape and sharding (zeros, casts, resharding copies,
+# differences), several seconds that test nothing; the steps alone are jax.
 
 
 def frames(d, h, hd):
@@ -59,22 +64,26 @@ def frames(d, h, hd):
   orthonormal."""
   q, r = np.linalg.qr(rng.standard_normal((h, d, hd)))
   q = q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
-  return jnp.asarray(np.transpose(q, (1, 0, 2)), jnp.float32)
+  return np.transpose(q, (1, 0, 2)).astype(np.float32)
 
 
 def normal(*shape):
-  return jnp.asarray(0.1 * rng.standard_normal(shape), jnp.float32)
+  return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+
+
+def zeros(*shape):
+  return np.zeros(shape, np.float32)
 
 
 def mha_params(d, h, hd, mlp=48):
   def layer():
     return {"attn": {"query": {"kernel": frames(d, h, hd),
-                               "bias": jnp.zeros((h, hd))},
+                               "bias": zeros(h, hd)},
                      "key": {"kernel": frames(d, h, hd),
-                             "bias": jnp.zeros((h, hd))},
+                             "bias": zeros(h, hd)},
                      "value": {"kernel": normal(d, h, hd)},
                      "out": {"kernel": normal(h, hd, d)}},
-            "mlp": {"kernel": normal(d, mlp), "bias": jnp.zeros(mlp)}}
+            "mlp": {"kernel": normal(d, mlp), "bias": zeros(mlp)}}
   return {"layer_0": layer(), "layer_1": layer(), "embed": normal(40, d)}
 
 
@@ -82,14 +91,14 @@ def gpt_params(d, h):
   """Two nanoGPT blocks; c_attn's q and k thirds orthonormal per head."""
   hd = d // h
   def c_attn():
-    q = np.asarray(frames(d, h, hd)).reshape(d, d)
-    k = np.asarray(frames(d, h, hd)).reshape(d, d)
-    v = np.asarray(normal(d, d))
-    return jnp.asarray(np.concatenate([q, k, v], 1))
+    q = frames(d, h, hd).reshape(d, d)
+    k = frames(d, h, hd).reshape(d, d)
+    v = normal(d, d)
+    return np.concatenate([q, k, v], 1)
   def block():
-    return {"attn": {"c_attn": {"kernel": c_attn(), "bias": jnp.zeros(3 * d)},
-                     "c_proj": {"kernel": normal(d, d), "bias": jnp.zeros(d)}},
-            "ln_1": {"scale": jnp.ones(d)}}
+    return {"attn": {"c_attn": {"kernel": c_attn(), "bias": zeros(3 * d)},
+                     "c_proj": {"kernel": normal(d, d), "bias": zeros(d)}},
+            "ln_1": {"scale": np.ones(d, np.float32)}}
   return {"transformer": {"h_0": block(), "h_1": block(),
                           "wte": {"embedding": normal(40, d)}}}
 
@@ -131,24 +140,32 @@ def collectives(text):
   return out
 
 
-def run_case(params, frames_sel, shard, steps=3, stack=False):
+def run_case(params, frames_sel, shard, steps=3, stack=False,
+             reference=None):
   """`steps` of stiefel_attention, unsharded (one device) and sharded by
   `shard` (inputs, outputs and state); the sharded program's compiled HLO is
-  that of the executable that ran."""
+  that of the executable that ran. Returns the case's result and its
+  reference (gradients, unsharded final params); `reference` reuses an
+  earlier case's, on the same params, instead of running the unsharded
+  steps again."""
   tx = so.stiefel_attention(1e-2, frames=frames_sel, stack_frames=stack)
-  grads = [jax.tree.map(lambda x: normal(*x.shape), params)
-           for _ in range(steps)]
 
   def step(g, s, p):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  ref_p, ref_s = params, tx.init(params)
-  ref_step = jit(step)
-  for g in grads:
-    ref_p, ref_s = ref_step(g, ref_s, ref_p)
+  # One program for the state instead of an eager op per leaf shape.
+  state0 = jax.device_get(jit(tx.init)(params))
+  if reference is None:
+    grads = [jax.tree.map(lambda x: normal(*x.shape), params)
+             for _ in range(steps)]
+    ref_p, ref_s = params, state0
+    ref_step = jit(step)
+    for g in grads:
+      ref_p, ref_s = ref_step(g, ref_s, ref_p)
+    reference = grads, jax.device_get(ref_p)
+  grads, ref_p = reference
 
-  state0 = tx.init(params)
   p_sh, s_sh = shard(params), shard(state0)
   p, s = jax.device_put(params, p_sh), jax.device_put(state0, s_sh)
   compiled = jit(step, in_shardings=(p_sh, s_sh, p_sh),
@@ -161,10 +178,12 @@ def run_case(params, frames_sel, shard, steps=3, stack=False):
   sel = so.selected(params, frames_sel)
   leaves = dict((so.path_str(q), x) for q, x in
                 jax.tree_util.tree_leaves_with_path(p))
+  host_p = jax.device_get(p)
   return {
-      "max_abs_diff": max(float(jnp.max(jnp.abs(a - b))) for a, b in
-                          zip(jax.tree.leaves(p), jax.tree.leaves(ref_p))),
-      "max_isometry_error": float(so.max_isometry_error(p, frames_sel)),
+      "max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in
+                          zip(jax.tree.leaves(host_p), jax.tree.leaves(ref_p))),
+      "max_isometry_error": float(
+          jit(lambda q: so.max_isometry_error(q, frames_sel))(host_p)),
       "selected": sorted(sel),
       "frame_shardings": sorted({tuple(leaves[k].sharding.spec) for k in sel},
                                 key=str),
@@ -173,7 +192,7 @@ def run_case(params, frames_sel, shard, steps=3, stack=False):
       "collectives": collectives(hlo),
       "hlo_has": {t: t in hlo for t in ("f32[1,32,4]", "f32[4,8,32]",
                                         "f32[2,4,8,16]")},
-  }
+  }, reference
 
 
 result = {"devices": jax.device_count()}
@@ -182,32 +201,36 @@ result = {"devices": jax.device_count()}
 # (8, 32, 4), the moments, and nu (8,) over the heads too.
 D, H, HD = 32, 8, 4
 is_qk = lambda path, shape: bool(re.search(QK, path))
-result["heads"] = run_case(mha_params(D, H, HD), "flax", sharder([
+HEADS = mha_params(D, H, HD)
+result["heads"], per_leaf = run_case(HEADS, "flax", sharder([
     (lambda p, s: s == (D, H, HD) and is_qk(p, s), P(None, "x", None)),
     (lambda p, s: s == (H, D, HD), P("x", None, None)),
     (lambda p, s: s == (H,), P("x"))]))
 
 # The same, the four kernels' frames stacked (stack_frames=True): the
 # stack (4, 8, 32, 4) and its first moment over axis 1 (the heads), nu
-# (4, 8) too.
-result["heads_stacked"] = run_case(mha_params(D, H, HD), "flax", sharder([
+# (4, 8) too. Same params and gradients as above, checked against the same
+# unsharded per-leaf run: stacking gives the per-leaf update (to 1e-6,
+# tests/test_stack_frames.py), so a second, stacked unsharded run would
+# only compile one more program.
+result["heads_stacked"], _ = run_case(HEADS, "flax", sharder([
     (lambda p, s: s == (D, H, HD) and is_qk(p, s), P(None, "x", None)),
     (lambda p, s: s == (4, H, D, HD), P(None, "x", None, None)),
-    (lambda p, s: s == (4, H), P(None, "x"))]), stack=True)
+    (lambda p, s: s == (4, H), P(None, "x"))]), stack=True, reference=per_leaf)
 
 # FSDP: every leaf with d rows, the (64, 4, 32) Q/K kernels among them,
 # over d (axis 0), and their AdamW moments alike; the frame views
 # (4, 64, 32) and Stiefel-Adam's first moment over d too; nu (4,), biases,
 # embeddings and out (4, 32, 64) replicated.
 D, H, HD = 64, 4, 32
-result["fsdp"] = run_case(mha_params(D, H, HD), "flax",
-                          fsdp_sharder(D, (H, D, HD), P(None, "x", None)))
+result["fsdp"], _ = run_case(mha_params(D, H, HD), "flax",
+                             fsdp_sharder(D, (H, D, HD), P(None, "x", None)))
 
 # FSDP on a fused nanoGPT c_attn (64, 192) and the other (64, ...) leaves:
 # frames (2, 4, 64, 16) over d; the v third (64, 64) that AdamW trains, and
 # its moments, over d as well.
 D, H = 64, 4
-result["fused_fsdp"] = run_case(
+result["fused_fsdp"], _ = run_case(
     gpt_params(D, H), {r"c_attn/kernel$": so.fused_qkv(H)},
     fsdp_sharder(D, (2, H, D, D // H), P(None, None, "x", None)))
 

@@ -123,16 +123,20 @@ def test_layout_rows_are_well_formed(quick):
 
 
 def test_native_and_view_steps_agree():
+  """Jitted, as `layout_comparison` runs them (one program each instead of
+  an eager program per op); inputs and comparisons in NumPy."""
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   speed = speed_module()
-  keys = jax.random.split(jax.random.key(0), 3)
-  w, g, m = (0.1 * jax.random.normal(k, (16, 3, 4)) for k in keys)
-  u_n, m_n = speed._native_step(w, g, m)
-  u_v, m_v = speed._view_step(w, g, jnp.swapaxes(m, 0, 1))
+  rng = np.random.default_rng(0)
+  w, g, m = ((0.1 * rng.standard_normal((16, 3, 4))).astype(np.float32)
+             for _ in range(3))
+  u_n, m_n = jax.device_get(jax.jit(speed._native_step)(w, g, m))
+  u_v, m_v = jax.device_get(
+      jax.jit(speed._view_step)(w, g, np.swapaxes(m, 0, 1)))
   assert u_n.shape == w.shape and u_v.shape == w.shape
-  assert jnp.abs(u_n - u_v).max() < 1e-5
-  assert jnp.abs(m_n - jnp.swapaxes(m_v, 0, 1)).max() < 1e-5
+  assert np.abs(u_n - u_v).max() < 1e-5
+  assert np.abs(m_n - np.swapaxes(m_v, 0, 1)).max() < 1e-5
 
 
 def test_transposes_counts_data_movement():
@@ -156,15 +160,16 @@ needs_peer = pytest.mark.skipif(
     reason="no peer environment at runs/peer-venv (torch, geoopt)")
 
 
-def _peer_only(tmp_path, *args):
-  proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.speed", "--peer-only", "--quick",
-       "--out", str(tmp_path), *args],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+def _peer_only(tmp_path, capsys, *args):
+  """`--peer-only --quick` through the command line's `main` in this
+  process (a child process would spend seconds importing jax again; the
+  fixture above runs `python -m benchmarks.speed` itself): its JSON, its
+  markdown and what it printed (`.out`, `.err`)."""
+  speed_module().main(["--peer-only", "--quick", "--out", str(tmp_path),
+                       *args])
   with open(tmp_path / "speed.json") as f:
     res = json.load(f)
-  return res, (tmp_path / "speed.md").read_text(), proc
+  return res, (tmp_path / "speed.md").read_text(), capsys.readouterr()
 
 
 def test_peer_module_imports_no_jax():
@@ -181,22 +186,23 @@ def test_peer_module_imports_no_jax():
   assert names - allowed <= set(sys.stdlib_module_names), names
 
 
-def test_peer_skipped_without_peer_python(tmp_path):
-  res, md, proc = _peer_only(tmp_path, "--peer-python",
-                             str(tmp_path / "no-such-python"))
+def test_peer_skipped_without_peer_python(tmp_path, capsys):
+  res, md, printed = _peer_only(tmp_path, capsys, "--peer-python",
+                                str(tmp_path / "no-such-python"))
   assert set(res) >= {"peer", "load_after"} and "update" not in res
   assert res["peer"]["status"] == "skipped"
   assert "no peer Python at" in res["peer"]["message"]
   assert "Skipped: no peer Python at" in md
-  assert "peer comparison (geoopt) skipped" in proc.stderr
+  assert "peer comparison (geoopt) skipped" in printed.err
+  assert "Skipped: no peer Python at" in printed.out
 
 
 @pytest.mark.skipif(
     __import__("importlib").util.find_spec("torch") is not None,
     reason="this environment has torch")
-def test_peer_skipped_where_torch_is_absent(tmp_path):
+def test_peer_skipped_where_torch_is_absent(tmp_path, capsys):
   """A Python without torch (ours): skipped, with the import error."""
-  res, md, _ = _peer_only(tmp_path, "--peer-python", sys.executable)
+  res, md, _ = _peer_only(tmp_path, capsys, "--peer-python", sys.executable)
   assert res["peer"]["status"] == "skipped"
   assert "cannot import torch / geoopt" in res["peer"]["message"]
   assert "Skipped: cannot import torch / geoopt" in md

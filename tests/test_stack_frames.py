@@ -15,11 +15,12 @@ import stiefel_optax as so
 from stiefel_optax import partition
 
 
-def _tree(key):
+def _tree(seed):
   """Three layers of (16, 2, 8) Q/K kernels, one of (16, 4, 4), a fused
-  nanoGPT-style c_attn (16, 48) under fused_qkv(2) and non-frame leaves."""
-  ks = iter(jax.random.split(key, 32))
-  normal = lambda *s: 0.1 * jax.random.normal(next(ks), s)
+  nanoGPT-style c_attn (16, 48) under fused_qkv(2) and non-frame leaves.
+  (Values from NumPy: jax.random would compile a program per shape.)"""
+  rng = np.random.default_rng(seed)
+  normal = lambda *s: jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32)
   layer = lambda h, r: {"query": {"kernel": normal(16, h, r)},
                         "key": {"kernel": normal(16, h, r)},
                         "value": {"kernel": normal(16, h, r)}}
@@ -34,16 +35,30 @@ SELECTOR = {r"(query|key)/kernel$": so.FrameSpec(rows=0, cols=2),
 
 
 @functools.lru_cache(maxsize=None)
+def _params():
+  """_tree(0) orthonormalized (jitted: one program instead of the eager
+  polar factors' per-op compilations), shared by the tests, which only
+  read it."""
+  return jax.jit(lambda p: so.orthonormalize(p, frames=SELECTOR))(_tree(0))
+
+
+def _grads(params, t):
+  """Gradient t (the same for every run), from NumPy."""
+  rng = np.random.default_rng(10 + t)
+  return jax.tree.map(
+      lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+
+
+@functools.lru_cache(maxsize=None)
 def _run(stacked: bool, steps: int = 3, nan_step: int = 1):
   """(params, state) after `steps` jitted updates; at `nan_step` one head
   of one leaf gets a NaN gradient (that frame alone is skipped)."""
-  params = so.orthonormalize(_tree(jax.random.key(0)), frames=SELECTOR)
+  params = _params()
   tx = so.stiefel_attention(3e-2, frames=SELECTOR, stack_frames=stacked)
   state = tx.init(params)
   update = jax.jit(tx.update)
   for t in range(steps):
-    grads = jax.tree.map(
-        lambda x: jax.random.normal(jax.random.key(10 + t), x.shape), params)
+    grads = _grads(params, t)
     if t == nan_step:
       k = grads["layer_1"]["query"]["kernel"]
       grads["layer_1"]["query"]["kernel"] = k.at[3, 1, 0].set(jnp.nan)
@@ -61,7 +76,7 @@ def _adam(state) -> so.ScaleByFrameAdamState:
 
 
 def test_frame_spec_of_the_tree_is_what_it_says():
-  params = _tree(jax.random.key(0))
+  params = _tree(0)
   views = so.map_frames(lambda w: w.shape, params, SELECTOR, back=False)
   assert views["layer_0/query/kernel"] == (2, 16, 8)
   assert views["odd/key/kernel"] == (4, 16, 4)
@@ -126,7 +141,7 @@ def test_auto_stacks_small_frames_and_refuses_unknown_settings():
   assert partition.stack_limit(False) is None
   with pytest.raises(ValueError, match="stack_frames must be one of"):
     so.stiefel_attention(1e-3, stack_frames="yes")
-  params = so.orthonormalize(_tree(jax.random.key(0)), frames=SELECTOR)
+  params = _params()
   shapes = lambda setting: [m.shape for m in jax.tree.leaves(_adam(
       so.stiefel_attention(1e-3, frames=SELECTOR, stack_frames=setting
                            ).init(params)).mu)]
@@ -136,7 +151,7 @@ def test_auto_stacks_small_frames_and_refuses_unknown_settings():
 def test_project_start_stacked_equals_per_leaf():
   """A start off the manifold runs the retraction's fallback for the whole
   stack: the same polar factors within rounding."""
-  params = _tree(jax.random.key(1))           # not orthonormal
+  params = _tree(1)                           # not orthonormal
   out = []
   for stacked in (False, True):
     tx = so.stiefel_attention(1e-2, frames=SELECTOR, orthonormal_start="project",
@@ -151,7 +166,7 @@ def test_project_start_stacked_equals_per_leaf():
 
 
 def test_a_state_of_another_setting_is_named_not_misread():
-  params = so.orthonormalize(_tree(jax.random.key(0)), frames=SELECTOR)
+  params = _params()
   grads = jax.tree.map(jnp.ones_like, params)
   per_leaf = so.stiefel_attention(1e-3, frames=SELECTOR)
   stacked = so.stiefel_attention(1e-3, frames=SELECTOR, stack_frames=True)
@@ -160,8 +175,9 @@ def test_a_state_of_another_setting_is_named_not_misread():
     stacked.update(grads, per_leaf.init(params), params)
   with pytest.raises(ValueError, match=r"It fits stack_frames=True"):
     per_leaf.update(grads, stacked.init(params), params)
-  other = so.orthonormalize(_tree(jax.random.key(0)) | {"extra": {
-      "query": {"kernel": jnp.eye(16, 8)[:, None, :]}}}, frames=SELECTOR)
+  # The extra (16, 1, 8) kernel is an orthonormal frame as it stands.
+  other = params | {"extra": {
+      "query": {"kernel": jnp.eye(16, 8)[:, None, :]}}}
   with pytest.raises(ValueError, match="fits no stack_frames setting"):
     per_leaf.update(jax.tree.map(jnp.ones_like, other), per_leaf.init(params),
                     other)

@@ -2,11 +2,11 @@
 and its norm bounds, scale freedom and O(d)-equivariance; float32
 convergence on tr(W^T A W); the schedule's convergence by interval
 arithmetic. Transforms run with and without jit (`variant` fixture).
+The module's docstring examples run as the suite's doctests
+(`--doctest-modules` over stiefel_optax/, pyproject.toml).
 """
 
 from __future__ import annotations
-
-import doctest
 
 import jax
 import jax.numpy as jnp
@@ -505,9 +505,3 @@ def test_converges_to_the_top_eigenspace_float32(certificate):
     iso_max = certificate("stiefel_muon: isometry error, 300 float32 steps"
                           " (float32)", jnp.max(iso))
     assert iso_max <= 1e-5
-
-
-def test_docstring_example_runs():
-  """The `>>>` example of `stiefel_muon` (and any other in the module)."""
-  result = doctest.testmod(muon, optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0 and result.failed == 0
