@@ -140,13 +140,38 @@ def with_holm(rows: list) -> list:
   return rows
 
 
+def confirmation_complete(discovery: list, confirmation: list,
+                          key: Sequence[str] = ("treatment", "baseline")
+                          ) -> bool:
+  """Whether the confirmation table is complete: every comparison of the
+  discovery table has its confirmation twin (rows agreeing on `key`) on at
+  least as many seeds (the studies plan equal blocks, e.g. 8 + 8). Before
+  that, the confirmation table's Holm family and its seeds are partial, and
+  reading findings off it would be optional stopping."""
+  ident = lambda r: tuple(r[k] for k in key)
+  second = {ident(r): r for r in confirmation if r is not None}
+  return bool(discovery) and all(
+      ident(d) in second
+      and len(second[ident(d)]["seeds"]) >= len(d["seeds"])
+      for d in discovery if d is not None)
+
+
 def confirmed(discovery: list, confirmation: list,
               key: Sequence[str] = ("treatment", "baseline")) -> list:
   """The claims policy: the confirmation rows that are findings, i.e. Holm
   p < 0.05 across the confirmation table (`with_holm`) and a mean
   difference of the same sign as the same comparison's (rows agreeing on
-  `key`) on the discovery seeds. A row without a discovery twin is no
-  finding."""
+  `key`) on the discovery seeds; none until the confirmation table is
+  complete (`confirmation_complete`). A row without a discovery twin is no
+  finding.
+
+  >>> d = [dict(treatment="a", baseline="b", seeds=[0, 1], mean_diff=1.0)]
+  >>> c = dict(treatment="a", baseline="b", mean_diff=0.5, p_holm=0.01)
+  >>> len(confirmed(d, [dict(c, seeds=[500, 501])])), len(confirmed(d, [dict(c, seeds=[500])]))
+  (1, 0)
+  """
+  if not confirmation_complete(discovery, confirmation, key):
+    return []
   ident = lambda r: tuple(r[k] for k in key)
   first = {ident(r): r for r in discovery if r is not None}
   out = []

@@ -329,7 +329,9 @@ def test_comparison_rows_holm_across_the_table_and_one_rendering():
 
 def _row(t, n, diff, p, seeds):
   return dict(treatment=t, baseline="adamw", size=n, mean_diff=diff, p=p,
-              seeds=seeds)
+              seeds=seeds, n=len(seeds), mean_treatment=50.0 + diff,
+              mean_baseline=50.0, ci_low=diff - 1.0, ci_high=diff + 1.0,
+              t=3.0, wins=len(seeds), ties=0)
 
 
 def test_findings_need_confirmation_on_fresh_seeds():
@@ -339,19 +341,45 @@ def test_findings_need_confirmation_on_fresh_seeds():
   conf = stats.with_holm([_row("stiefel", 1000, 0.13, 0.6, [500]),
                           _row("rsgd", 8068, 1.4, 0.01, [500])])
   assert [r["treatment"] for r in stats.confirmed(disc, conf, key)] == ["rsgd"]
-  flipped = stats.with_holm([_row("rsgd", 8068, -1.4, 0.01, [500])])
+  flipped = stats.with_holm([_row("stiefel", 1000, 0.13, 0.6, [500]),
+                             _row("rsgd", 8068, -1.4, 0.01, [500])])
   assert stats.confirmed(disc, flipped, key) == []
   # Another n is another comparison: no discovery twin, no finding.
-  other_n = stats.with_holm([_row("rsgd", 4000, 1.4, 0.01, [500])])
+  other_n = stats.with_holm([_row("stiefel", 1000, 0.13, 0.6, [500]),
+                             _row("rsgd", 8068, 0.1, 0.6, [500]),
+                             _row("rsgd", 4000, 1.4, 0.01, [500])])
   assert stats.confirmed(disc, other_n, key) == []
   # Holm runs across the confirmation table: p = 0.03 alone is a finding,
   # beside two null comparisons (adjusted 3 x 0.03 = 0.09) it is not.
+  one = [_row("rsgd", 8068, 1.5, 0.004, [0])]
+  three = stats.with_holm(one + [_row("stiefel", 1000, 0.1, 0.01, [0]),
+                                 _row("stiefel", 8068, 0.1, 0.01, [0])])
   alone = stats.with_holm([_row("rsgd", 8068, 1.4, 0.03, [500])])
   crowded = stats.with_holm([_row("rsgd", 8068, 1.4, 0.03, [500]),
                              _row("stiefel", 1000, 0.1, 0.5, [500]),
                              _row("stiefel", 8068, 0.1, 0.6, [500])])
-  assert len(stats.confirmed(disc, alone, key)) == 1
-  assert stats.confirmed(disc, crowded, key) == []
+  assert len(stats.confirmed(stats.with_holm(one), alone, key)) == 1
+  assert stats.confirmed(three, crowded, key) == []
+  # An unfinished confirmation stage confirms nothing: a comparison without
+  # its confirmation row, or with fewer seeds than on discovery.
+  disc2 = stats.with_holm([_row("stiefel", 1000, 0.75, 0.002, [0, 1]),
+                           _row("rsgd", 8068, 1.5, 0.004, [0, 1])])
+  partial = stats.with_holm([_row("rsgd", 8068, 1.4, 0.001, [500, 501])])
+  short = stats.with_holm([_row("stiefel", 1000, 0.7, 0.001, [500]),
+                           _row("rsgd", 8068, 1.4, 0.001, [500, 501])])
+  done = stats.with_holm([_row("stiefel", 1000, 0.7, 0.001, [500, 501]),
+                          _row("rsgd", 8068, 1.4, 0.001, [500, 501])])
+  assert not stats.confirmation_complete(disc2, partial, key)
+  assert stats.confirmed(disc2, partial, key) == []
+  assert stats.confirmed(disc2, short, key) == []
+  assert stats.confirmation_complete(disc2, done, key)
+  assert len(stats.confirmed(disc2, done, key)) == 2
+  summary = dict(seeds=dict(discovery="0-1", confirmation="500-501"),
+                 comparisons=disc2, confirmation=short)
+  text = cifar_report.claims_text(summary)
+  assert "unfinished" in text and "confirmed" not in text
+  assert "2 of 2 comparisons confirmed" in cifar_report.claims_text(
+      dict(summary, confirmation=done))
   assert harness.seed_block(11) == "discovery"
   assert harness.seed_block(500) == "confirmation"
 

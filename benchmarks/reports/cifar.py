@@ -299,7 +299,18 @@ def claims_text(summary: dict) -> str:
     return (head + " No confirmation runs (seeds"
             f" {harness.format_seeds(harness.CONFIRMATION_SEEDS)}) are in this"
             " folder, so none of these comparisons is a finding yet.")
-  found = stats.confirmed(summary["comparisons"], conf, COMPARISON_KEY)
+  disc = summary["comparisons"]
+  if not stats.confirmation_complete(disc, conf, COMPARISON_KEY):
+    lines = [head + f" Confirmation seeds run so far: {seeds.get('confirmation')};"
+             " the confirmation stage is unfinished (not every comparison of"
+             " the discovery table has as many confirmation seeds yet), so"
+             " none of these comparisons is a finding yet. The interim"
+             " confirmation table below is not a test: its seeds and its Holm"
+             " family are partial."]
+    lines += ["", "Confirmation runs so far (interim):", "",
+              markdown_table(conf)]
+    return "\n".join(lines)
+  found = stats.confirmed(disc, conf, COMPARISON_KEY)
   lines = [head + f" Confirmation seeds run: {seeds.get('confirmation')};"
            f" {len(found)} of {len(conf)} comparisons confirmed (Holm p < 0.05"
            " on the confirmation seeds, same sign as on discovery):"]
