@@ -140,6 +140,11 @@ def with_holm(rows: list) -> list:
   return rows
 
 
+def _by_comparison(rows: list, key: Sequence[str]) -> dict:
+  """{the values of `key`: row}: the rows of a table by their comparison."""
+  return {tuple(r[k] for k in key): r for r in rows if r is not None}
+
+
 def confirmation_complete(discovery: list, confirmation: list,
                           key: Sequence[str] = ("treatment", "baseline")
                           ) -> bool:
@@ -148,12 +153,10 @@ def confirmation_complete(discovery: list, confirmation: list,
   least as many seeds (the studies plan equal blocks, e.g. 8 + 8). Before
   that, the confirmation table's Holm family and its seeds are partial, and
   reading findings off it would be optional stopping."""
-  ident = lambda r: tuple(r[k] for k in key)
-  second = {ident(r): r for r in confirmation if r is not None}
+  second = _by_comparison(confirmation, key)
   return bool(discovery) and all(
-      ident(d) in second
-      and len(second[ident(d)]["seeds"]) >= len(d["seeds"])
-      for d in discovery if d is not None)
+      c in second and len(second[c]["seeds"]) >= len(d["seeds"])
+      for c, d in _by_comparison(discovery, key).items())
 
 
 def confirmed(discovery: list, confirmation: list,
@@ -167,16 +170,16 @@ def confirmed(discovery: list, confirmation: list,
 
   >>> d = [dict(treatment="a", baseline="b", seeds=[0, 1], mean_diff=1.0)]
   >>> c = dict(treatment="a", baseline="b", mean_diff=0.5, p_holm=0.01)
-  >>> len(confirmed(d, [dict(c, seeds=[500, 501])])), len(confirmed(d, [dict(c, seeds=[500])]))
+  >>> full, short = dict(c, seeds=[500, 501]), dict(c, seeds=[500])
+  >>> len(confirmed(d, [full])), len(confirmed(d, [short]))
   (1, 0)
   """
   if not confirmation_complete(discovery, confirmation, key):
     return []
-  ident = lambda r: tuple(r[k] for k in key)
-  first = {ident(r): r for r in discovery if r is not None}
+  first = _by_comparison(discovery, key)
   out = []
-  for r in confirmation:
-    d = first.get(ident(r)) if r is not None else None
+  for c, r in _by_comparison(confirmation, key).items():
+    d = first.get(c)
     if (d is not None and np.isfinite(r["p_holm"]) and r["p_holm"] < 0.05
         and np.sign(r["mean_diff"]) == np.sign(d["mean_diff"]) != 0):
       out.append(r)
