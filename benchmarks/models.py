@@ -13,8 +13,9 @@ The attention query/key kernels have shape (d_model, heads, head_dim) at
 default ("flax").
 
 Users: grokking (`benchmarks.grokking.make_model`), CIFAR (`PatchViTConfig`
-below), the speed benchmark's causal LM (`benchmarks.speed.LMConfig`); the
-long-run drift benchmark trains one `self_attention` layer alone.
+below), the speed benchmark's causal LM (`benchmarks.speed.train_step`;
+both `pre_ln_gelu`); the long-run drift benchmark trains one
+`self_attention` layer alone.
 
 `GPT` (end of the file) is nanoGPT's model for the language-model benchmark
 (`benchmarks.lm`), kept as nanoGPT writes it so that its published losses
@@ -170,6 +171,19 @@ class Transformer(nn.Module):
                     name=names["head"])(x)
 
 
+def pre_ln_gelu(**fields) -> TransformerConfig:
+  """The GPT-2-style model of CIFAR's patch ViT and the speed benchmark's
+  causal LM: pre-LN GELU blocks, biases in attention and head, positions
+  (and tokens) initialised with std 0.02; `fields` name the rest.
+
+  >>> pre_ln_gelu(d_model=8, num_heads=2, d_mlp=16, num_classes=5,
+  ...             vocab_size=5, seq_len=4).activation
+  'gelu'
+  """
+  return TransformerConfig(activation="gelu", layer_norm=True, attn_bias=True,
+                           head_bias=True, pos_std=0.02, **fields)
+
+
 def init_params(model: Transformer, key: jax.Array, inputs=None):
   """The model's parameters, initialised on `inputs` (default: zero tokens
   of shape (1, seq_len))."""
@@ -193,11 +207,10 @@ class PatchViTConfig:
   num_classes: int = 10
 
   def config(self) -> TransformerConfig:
-    return TransformerConfig(
+    return pre_ln_gelu(
         d_model=self.dim, num_heads=self.heads, d_mlp=self.mlp_ratio * self.dim,
         num_classes=self.num_classes, depth=self.depth, inputs="patches",
-        patch=self.patch, activation="gelu", layer_norm=True, attn_bias=True,
-        head_bias=True, readout="mean", pos_std=0.02)
+        patch=self.patch, readout="mean")
 
   def build(self, qk_norm: bool = False) -> Transformer:
     """The model; qk_norm (an arm's architecture change, not a field: the

@@ -456,11 +456,10 @@ class LMConfig:
   def model(self):
     # Imported here: flax is needed by this table only.
     from benchmarks import models  # pylint: disable=g-import-not-at-top
-    return models.Transformer(models.TransformerConfig(
+    return models.Transformer(models.pre_ln_gelu(
         d_model=self.d, num_heads=self.heads, d_mlp=self.mlp,
         num_classes=self.vocab, depth=self.layers, vocab_size=self.vocab,
-        seq_len=self.seq, activation="gelu", layer_norm=True, attn_bias=True,
-        head_bias=True, causal=True, readout="all", pos_std=0.02))
+        seq_len=self.seq, causal=True, readout="all"))
 
 
 LM_FULL, LM_QUICK = LMConfig(), LMConfig(vocab=64, seq=16, batch=4, d=32,
