@@ -2,7 +2,7 @@
 # The GPU-scale checks in one script, within 8 minutes on one GPU:
 #   (a) the update and training-step speed of stiefel_attention (per leaf
 #       and with stack_frames=True) against optax.adamw on GPT-2-small
-#       shapes (benchmarks/speed.py's update and train_step comparisons; its
+#       shapes (benchmarks/speed's update and train_step comparisons; its
 #       CPU-only retraction table is left out), and its native-layout probe
 #       (do XLA's GPU dots take the (d, heads, r) kernels without copies?);
 #   (b) the language model at nanoGPT's shakespeare_char (GPU) config:
@@ -50,18 +50,19 @@ cat "$OUT/machine.txt"
 # GPT-2-small-shaped causal LM (12 x d768, 12 heads, vocab 50304, 8 x 1024).
 [ "${SPEED:-1}" = 0 ] || TOY="$TOY" OUT="$OUT" "$PY" - <<'EOF'
 import os, pathlib
-from benchmarks import harness, speed
+from benchmarks import harness
 from benchmarks.reports import speed as speed_report
+from benchmarks.speed import layout, train_step, trees, update
 toy = os.environ["TOY"] == "1"
-tree = speed.GPT2_QUICK if toy else speed.GPT2_SMALL
-lm = speed.LM_QUICK if toy else speed.LMConfig(
+tree = trees.GPT2_QUICK if toy else trees.GPT2_SMALL
+lm = train_step.LM_QUICK if toy else train_step.LMConfig(
     vocab=50304, seq=1024, batch=8, d=768, heads=12, layers=12, mlp=3072)
 iters = 3 if toy else 11
 res = dict(machine=harness.machine(),
-           update=speed.update_comparison(tree, iters),
-           train_step=speed.train_step_comparison(lm, iters),
-           layout=speed.layout_comparison(
-               *((2, 64, 4, 16) if toy else speed.LAYOUT_WORKLOAD), iters))
+           update=update.update_comparison(tree, iters),
+           train_step=train_step.train_step_comparison(lm, iters),
+           layout=layout.layout_comparison(
+               *((2, 64, 4, 16) if toy else layout.LAYOUT_WORKLOAD), iters))
 out = pathlib.Path(os.environ["OUT"]) / "speed"
 harness.write_json(out / "speed.json", res, indent=1)
 md = speed_report.accelerator_markdown(res)

@@ -47,11 +47,12 @@ def test_report_only_renders_the_same_tables_from_the_json(quick, tmp_path):
   res, md, _ = quick
   (tmp_path / "speed.json").write_text(json.dumps(res))
   from benchmarks.reports import speed as report  # pylint: disable=g-import-not-at-top
+  from benchmarks.speed import cli  # pylint: disable=g-import-not-at-top
   assert report.markdown(res) == md
-  speed_module().main(["--report-only", "--out", str(tmp_path)])
+  cli.main(["--report-only", "--out", str(tmp_path)])
   assert (tmp_path / "speed.md").read_text() == md
   with pytest.raises(SystemExit):   # no speed.json there: a clear error
-    speed_module().main(["--report-only", "--out", str(tmp_path / "none")])
+    cli.main(["--report-only", "--out", str(tmp_path / "none")])
 
 
 def test_accelerator_report_renders_its_speed_part(quick):
@@ -81,14 +82,10 @@ def test_times_and_ratios_are_positive(quick):
   u = res["update"][0]
   parts = u["profile"]["parts_ms"]
   assert len(parts) == 8 and all(v > 0 for v in parts.values())
-  floor = parts["adamw, other leaves"] + parts[speed_module().FLOOR]
+  from benchmarks.speed import update  # pylint: disable=g-import-not-at-top
+  floor = parts["adamw, other leaves"] + parts[update.FLOOR]
   assert u["floor_ms"] == pytest.approx(floor)
   assert u["floor_ratio"] == pytest.approx(u["stiefel_ms"] / floor)
-
-
-def speed_module():
-  from benchmarks import speed  # pylint: disable=g-import-not-at-top
-  return speed
 
 
 def test_qk_state_is_half_of_adamw(quick):
@@ -113,12 +110,12 @@ def test_retractions_report_isometry(quick):
 def test_layout_rows_are_well_formed(quick):
   res, _, _ = quick
   lay = res["layout"]
-  speed = speed_module()
-  assert [r["layout"] for r in lay["rows"]] == [speed.NATIVE, speed.VIEW]
+  from benchmarks.speed import layout  # pylint: disable=g-import-not-at-top
+  assert [r["layout"] for r in lay["rows"]] == [layout.NATIVE, layout.VIEW]
   ms = {r["layout"]: r["ms"] for r in lay["rows"]}
   assert all(v > 0 for v in ms.values())
   assert lay["native_over_view"] == pytest.approx(
-      ms[speed.NATIVE] / ms[speed.VIEW])
+      ms[layout.NATIVE] / ms[layout.VIEW])
   assert all(r["transposes"] >= 0 for r in lay["rows"])
 
 
@@ -127,13 +124,13 @@ def test_native_and_view_steps_agree():
   an eager program per op); inputs and comparisons in NumPy."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  speed = speed_module()
+  from benchmarks.speed import layout  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   w, g, m = ((0.1 * rng.standard_normal((16, 3, 4))).astype(np.float32)
              for _ in range(3))
-  u_n, m_n = jax.device_get(jax.jit(speed._native_step)(w, g, m))
+  u_n, m_n = jax.device_get(jax.jit(layout.native_step)(w, g, m))
   u_v, m_v = jax.device_get(
-      jax.jit(speed._view_step)(w, g, np.swapaxes(m, 0, 1)))
+      jax.jit(layout.view_step)(w, g, np.swapaxes(m, 0, 1)))
   assert u_n.shape == w.shape and u_v.shape == w.shape
   assert np.abs(u_n - u_v).max() < 1e-5
   assert np.abs(m_n - np.swapaxes(m_v, 0, 1)).max() < 1e-5
@@ -142,17 +139,17 @@ def test_native_and_view_steps_agree():
 def test_transposes_counts_data_movement():
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  speed = speed_module()
+  from benchmarks.speed import layout  # pylint: disable=g-import-not-at-top
   x = jnp.ones((8, 4))
   text = lambda f: jax.jit(f).lower(x).compile().as_text()
-  assert speed.transposes(text(lambda a: a + 1.0)) == 0
-  assert speed.transposes(text(lambda a: a.T * 2.0)) >= 1
+  assert layout.transposes(text(lambda a: a + 1.0)) == 0
+  assert layout.transposes(text(lambda a: a.T * 2.0)) >= 1
 
 
 # --------------------------------------------------------------------------
 # The geoopt comparison (`--peer-only`): its skip paths need no torch; the
 # run itself needs the peer environment (runs/peer-venv, see
-# benchmarks/speed.py), which CI does not have.
+# benchmarks/speed/__init__.py), which CI does not have.
 
 PEER_PYTHON = os.path.join(ROOT, "runs", "peer-venv", "bin", "python")
 needs_peer = pytest.mark.skipif(
@@ -165,8 +162,8 @@ def _peer_only(tmp_path, capsys, *args):
   process (a child process would spend seconds importing jax again; the
   fixture above runs `python -m benchmarks.speed` itself): its JSON, its
   markdown and what it printed (`.out`, `.err`)."""
-  speed_module().main(["--peer-only", "--quick", "--out", str(tmp_path),
-                       *args])
+  from benchmarks.speed import cli  # pylint: disable=g-import-not-at-top
+  cli.main(["--peer-only", "--quick", "--out", str(tmp_path), *args])
   with open(tmp_path / "speed.json") as f:
     res = json.load(f)
   return res, (tmp_path / "speed.md").read_text(), capsys.readouterr()
@@ -176,7 +173,7 @@ def test_peer_module_imports_no_jax():
   """The child runs where jax is absent: torch, geoopt, NumPy and the
   standard library only."""
   import ast  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(ROOT, "benchmarks", "peer_geoopt.py")) as f:
+  with open(os.path.join(ROOT, "benchmarks", "speed", "peer_geoopt.py")) as f:
     tree = ast.parse(f.read())
   names = {a.name.split(".")[0] for n in ast.walk(tree)
            if isinstance(n, ast.Import) for a in n.names}
@@ -213,10 +210,10 @@ def test_peer_tiny_run():
   """One tiny workload, one round, in this process (the CLI path is the skip
   tests'); torch on one thread, since two wait on each other for a core
   when other jobs keep both busy."""
-  from benchmarks import speed  # pylint: disable=g-import-not-at-top
-  tiny = speed.PeerWorkload("tiny", 2, (2, 16, 4), 2)
-  peer = speed.peer_comparison(PEER_PYTHON, (tiny,), rounds=1, timeout=120,
-                               threads=1)
+  from benchmarks.speed import peer as peer_lib  # pylint: disable=g-import-not-at-top
+  tiny = peer_lib.PeerWorkload("tiny", 2, (2, 16, 4), 2)
+  peer = peer_lib.peer_comparison(PEER_PYTHON, (tiny,), rounds=1,
+                                  timeout=120, threads=1)
   assert peer["status"] == "ok", peer
   assert peer["torch_threads"] == 1 and peer["geoopt"]
   (r,) = peer["rows"]

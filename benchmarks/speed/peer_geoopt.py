@@ -5,11 +5,12 @@ environment that has torch and geoopt but not jax (see `benchmarks.speed`'s
 docstring for its setup), so that torch never enters the project's own
 environment. It imports only torch, geoopt, NumPy and the standard library,
 and the first two only in `main` and the functions it calls: the NumPy
-helpers below (the workload's frames and gradients, the isometry error) are
-also imported by `benchmarks.speed`, so both sides start from the same
-arrays and measure the error by the same formula.
+helpers below (Haar frames, the workload's frames and gradients, the
+isometry error) are also imported by `benchmarks.speed`'s tables, so both
+sides start from the same arrays and measure the error by the same formula,
+and the speed benchmark has one home for each.
 
-    PEER_PYTHON benchmarks/peer_geoopt.py --threads N
+    PEER_PYTHON benchmarks/speed/peer_geoopt.py --threads N
 
 Protocol: JSON lines, one request on stdin, one answer on stdout.
 
@@ -43,16 +44,19 @@ GRAD_SCALE = 1e-3
 # Shared NumPy helpers (both sides).
 
 
-def frames(seed: int, leaves: int, shape: Sequence[int]) -> List[np.ndarray]:
-  """`leaves` float32 stacks of Haar frames of `shape` (..., d, r): QR of a
+def haar_frames(rng: np.random.Generator, shape: Sequence[int]
+                ) -> np.ndarray:
+  """A float32 stack of Haar frames of `shape` (..., d, r): QR of a
   Gaussian, signs corrected so that R has a positive diagonal."""
+  q, r = np.linalg.qr(rng.standard_normal(tuple(shape)))
+  q = q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+  return q.astype(np.float32)
+
+
+def frames(seed: int, leaves: int, shape: Sequence[int]) -> List[np.ndarray]:
+  """`leaves` stacks of `haar_frames` of `shape`, from `seed`."""
   rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(leaves):
-    q, r = np.linalg.qr(rng.standard_normal(tuple(shape)))
-    q = q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
-    out.append(q.astype(np.float32))
-  return out
+  return [haar_frames(rng, shape) for _ in range(leaves)]
 
 
 def gradients(seed: int, leaves: int, shape: Sequence[int]
@@ -68,13 +72,13 @@ def isometry_error_f64(qs) -> float:
   """max ||Q^T Q - I||_F over every frame of every leaf, Q^T Q formed in
   float64, so that it measures the float32 frames, not the rounding of
   their Gram matrices."""
-  worst = 0.0
+  errors = []
   for q in qs:
     q = np.asarray(q, np.float64)
     gram = np.swapaxes(q, -1, -2) @ q
-    worst = max(worst, float(np.max(np.linalg.norm(
-        gram - np.eye(q.shape[-1]), axis=(-2, -1)))))
-  return worst
+    errors.append(np.max(np.linalg.norm(gram - np.eye(q.shape[-1]),
+                                        axis=(-2, -1))))
+  return float(np.max(errors))      # np.max: a NaN frame shows as NaN
 
 
 # --------------------------------------------------------------------------
