@@ -189,6 +189,7 @@ def test_peer_skipped_without_peer_python(tmp_path, capsys):
   assert set(res) >= {"peer", "load_after"} and "update" not in res
   assert res["peer"]["status"] == "skipped"
   assert "no peer Python at" in res["peer"]["message"]
+  assert str(tmp_path) not in res["peer"]["message"] + md   # no machine path
   assert "Skipped: no peer Python at" in md
   assert "peer comparison (geoopt) skipped" in printed.err
   assert "Skipped: no peer Python at" in printed.out

@@ -234,7 +234,9 @@ def peer_missing(python: Optional[str]) -> Optional[str]:
   if not python:
     return f"no peer Python given; {PEER_SETUP_HINT}"
   if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-    return f"no peer Python at {python}; {PEER_SETUP_HINT}"
+    # the portable form: the message lands in committed reports
+    return (f"no peer Python at {harness.portable(python)};"
+            f" {PEER_SETUP_HINT}")
   return None
 
 
