@@ -250,6 +250,16 @@ def test_paired_statistics_and_sections(tmp_path):
   assert 3.0 < row["mean_diff"] < 3.5 and row["ci_low"] < row["mean_diff"] < row["ci_high"]
   assert row["loss_treatment"] == 2.5 and row["loss_baseline"] == 1.5
   assert "34.85 (2.500)" in cifar_report.markdown_table(stats.with_holm([row]))
+  # the paper's table: a confirmation column only where confirmation ran
+  disc = cifar_report.paper_comparisons(recs)
+  conf = cifar_report.paper_comparisons(recs, "confirmation")
+  assert disc[0]["seeds"] == [0, 1, 2, 3] and not any(conf)
+  assert "confirmation seeds" not in cifar_report.paper_table(disc, conf)
+  fresh = [dict(r, seed=r["seed"] + 500) for r in recs if r["seed"] < 4]
+  conf = cifar_report.paper_comparisons(recs + fresh, "confirmation")
+  assert conf[0]["seeds"] == [500, 501, 502, 503]
+  table = cifar_report.paper_table(disc, conf).splitlines()
+  assert "confirmation seeds" in table[0] and table[2].count("wins 4/4") == 2
   text = "# R\n\n## Grokking\n\nkeep me\n\n## CIFAR-10 patch benchmark\n\nold\n\n## Other\n\nkeep too\n"
   new = harness.replace_section(text, cifar_report.SECTION, "## CIFAR-10 patch benchmark\n\nnew")
   assert "old" not in new and "new" in new
