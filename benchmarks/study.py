@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
@@ -123,6 +124,7 @@ def tuned_axes(axes, scores_of: Callable[[tuple], Optional[dict]],
 # The plan.
 
 STAGES = ("tune", "discovery", "confirmation")
+PAIRED = STAGES[1:]
 
 
 class Arm(NamedTuple):
@@ -164,8 +166,8 @@ class Study:
     # builds on comes earlier, and is a main arm if it is one.
     names = self.names
     for i, a in enumerate(self.arms):
-      needs = ([self.base_arm] if a.name != self.base_arm and not a.own_base
-               else []) + ([a.tune_from] if a.axes is None else [])
+      needs = ([] if self.own_base(a.name) else [self.base_arm]) + (
+          [a.tune_from] if a.axes is None else [])
       for need in needs:
         if need not in names or names.index(need) > i or (
             a.main and not self.arm(need).main):
@@ -173,6 +175,11 @@ class Study:
               f"study: arm {a.name!r} builds on {need!r}, which must be an"
               f" arm of the study before it (and a main arm if {a.name!r}"
               f" is one); arms in order: {list(names)}.")
+
+  def own_base(self, name: str) -> bool:
+    """Whether the arm's own hyperparameters set its non-Q/K AdamW (the
+    base arm, an arm with own_base) rather than the base arm's choice."""
+    return name == self.base_arm or self.arm(name).own_base
 
   @property
   def names(self) -> tuple:
@@ -186,6 +193,32 @@ class Study:
 
   def seeds(self, name: str) -> tuple:
     return self.main_seeds if self.arm(name).main else self.other_seeds
+
+
+def with_dependencies(arms: Sequence[Arm], names: Sequence[str],
+                      base_arm: str = "adamw") -> tuple:
+  """The arms of `arms` (in run order) that `names` asks for, with the
+  arms they build on: the base arm (whose choice is every other arm's
+  non-Q/K AdamW) and, transitively, the arm each takes its choice from
+  (`tune_from`). Those join for their choice only: paired=False.
+
+  >>> arms = (Arm("adamw", ()), Arm("stiefel", ()),
+  ...         Arm("no_cap", None, tune_from="stiefel", main=False))
+  >>> [(a.name, a.paired) for a in with_dependencies(arms, ["no_cap"])]
+  [('adamw', False), ('stiefel', False), ('no_cap', True)]
+  """
+  by_name = {a.name: a for a in arms}
+  unknown = sorted(set(names) - set(by_name))
+  if unknown:
+    raise ValueError(f"unknown arms {unknown}; known: {list(by_name)}.")
+  need, todo = set(), [base_arm, *names]
+  while todo:
+    a = todo.pop()
+    if a not in need:
+      need.add(a)
+      todo += [by_name[a].tune_from] if by_name[a].tune_from else []
+  return tuple(a._replace(paired=a.name in names) for a in arms
+               if a.name in need)
 
 
 class Task(NamedTuple):
@@ -208,6 +241,19 @@ class Finished(NamedTuple):
   validation score."""
   record: Callable[[Task], Optional[dict]]
   score: Callable[[dict], float]
+
+
+def indexed(done: Mapping[str, dict], name: Callable[[Task], str],
+            score: Callable[[dict], float]) -> Finished:
+  """The finished runs `done` ({run name: record}) as a study reads them:
+  a task's record is done[name(task)].
+
+  >>> runs = indexed({"adamw_s0": {"acc": 0.5}}, lambda t: f"{t.arm}_s{t.seed}",
+  ...                lambda r: r["acc"])
+  >>> runs.record(Task("discovery", "adamw", {}, {}, 0))
+  {'acc': 0.5}
+  """
+  return Finished(lambda t: done.get(name(t)), score)
 
 
 def centre(axes) -> dict:
@@ -241,7 +287,7 @@ def base_of(study: Study, runs: Finished, arm: str,
             assume: bool = False) -> Optional[dict]:
   """The non-Q/K AdamW of the arm's runs: {} for the base arm and the arms
   that set their own, else the base arm's choice (None until it is made)."""
-  if arm == study.base_arm or study.arm(arm).own_base:
+  if study.own_base(arm):
     return {}
   c = choice(study, runs, study.base_arm, assume)
   return None if c is None else dict(c[0])
@@ -335,6 +381,90 @@ def remaining(study: Study, runs: Finished, assume: bool = False, first=(),
           if runs.record(t) is None]
 
 
+def paired_task(study: Study, runs: Finished, arm: str, seed: int,
+                size: Optional[int] = None) -> Task:
+  """The paired run of `arm` at (seed, size), at the arm's choice."""
+  c = choice(study, runs, arm)
+  if c is None:
+    raise RuntimeError(f"{arm}: tuning runs unfinished.")
+  return Task(harness.seed_block(seed), arm, c[0], c[1], seed, size)
+
+
+# --------------------------------------------------------------------------
+# The study's state, as its report reads it: the plan against the runs.
+
+
+def tuning_runs(study: Study, runs: Finished, arm: str) -> Optional[dict]:
+  """The arm's tuning as the plan reads it from the finished runs:
+  dict(base, axes, finished, widenings, points, chosen, on_edge): its
+  non-Q/K AdamW, its grid as far as it is widened, each grid point with its
+  finished runs ([(point, {seed: record})]), its chosen point (None while
+  unfinished) and whether that lies on an edge the widenings left. None
+  while it waits on the base arm's tuning, or when it tunes nothing (no
+  grid, or a choice fixed elsewhere)."""
+  base = base_of(study, runs, arm)
+  if base is None or not study.arm(arm).axes or arm in dict(study.fixed):
+    return None
+  t = tuning(study, runs, arm, base)
+  points = [(p, {s: r for s in study.tune_seeds
+                 if (r := runs.record(tune_task(arm, p, base, s))) is not None})
+            for p in grid_points(t.axes)]
+  chosen = (best_point(t.axes, t.scores, study.higher_is_better)
+            if t.finished else None)
+  return dict(base=base, axes=t.axes, finished=t.finished,
+              widenings=t.widenings, points=points, chosen=chosen,
+              on_edge=t.finished and extend_axes(t.axes, chosen) is not None)
+
+
+def paired_runs(study: Study, runs: Finished, arm: str,
+                size: Optional[int] = None) -> dict:
+  """{seed: record} of the arm's finished paired runs at its choice (at
+  `size`)."""
+  c = choice(study, runs, arm)
+  if c is None:
+    return {}
+  return {s: r for s in study.seeds(arm) if (r := runs.record(Task(
+      harness.seed_block(s), arm, c[0], c[1], s, size))) is not None}
+
+
+def state(study: Study, runs: Finished, name: Callable[[Task], str],
+          first=()) -> dict:
+  """The study's plan read against the finished runs: per arm its tuning
+  (`tuning_runs`), its choice and its paired runs (at the first size); the
+  planned runs ({name: Task}, `plan` with `first`) and those not done."""
+  planned = {name(t): t for t in plan(study, runs, False, first, name)}
+  return dict(
+      tuning={a: tuning_runs(study, runs, a) for a in study.names},
+      choices={a: choice(study, runs, a) for a in study.names},
+      paired={a: paired_runs(study, runs, a, study.sizes[0])
+              for a in study.names},
+      planned=planned,
+      left=[t for t in planned.values() if runs.record(t) is None])
+
+
+def widening_bound(study: Study, runs: Finished) -> list:
+  """[(tuning Task, extra points)]: per unfinished grid, a run at its
+  centre (provisional) and how many more points it would have if every
+  axis of it widened at each widening left (an upper bound; the plan
+  counts the current grid only)."""
+  out = []
+  for a in study.arms:
+    if not a.axes or a.name in dict(study.fixed):
+      continue
+    base = base_of(study, runs, a.name, assume=True)
+    if base is None:
+      continue
+    t = tuning(study, runs, a.name, base)
+    if t.finished:
+      continue
+    left = study.max_extensions - t.widenings
+    now = math.prod(len(v) for _, v in t.axes)
+    most = math.prod(len(v) + (left if len(v) >= 2 else 0) for _, v in t.axes)
+    out.append((tune_task(a.name, centre(t.axes), base, study.tune_seeds[0],
+                          True), most - now))
+  return out
+
+
 def comparison_pairs(arms: Sequence[str], baseline: str = "adamw",
                      method: str = "stiefel") -> list:
   """The (treatment, baseline) pairs a study reports, in order: each arm
@@ -365,6 +495,17 @@ def estimate(tasks: Sequence, expected_s: Callable[[Any], Optional[float]],
 
 # --------------------------------------------------------------------------
 # The study runner: every experiment's plan, run in order, resumable.
+
+
+def run_study(remaining: Callable[[], Sequence], execute: Callable, *,
+              on_paired: Optional[Callable[[], Any]] = None, **kwargs) -> int:
+  """`run_tasks` of a study's plan (`remaining()`: its unfinished runs,
+  asked anew after each run), calling on_paired() after each paired run
+  (e.g. to write the tables so far). kwargs: `run_tasks`'s."""
+  def after(task, _):
+    if on_paired is not None and task.stage in PAIRED:
+      on_paired()
+  return run_tasks(remaining, execute, after=after, **kwargs)
 
 
 def run_tasks(remaining: Callable[[], Sequence], execute: Callable, *,

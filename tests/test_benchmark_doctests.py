@@ -7,10 +7,10 @@ import doctest
 
 import pytest
 
-from benchmarks import harness, stats, training
+from benchmarks import harness, stats, study, training
 
 
-@pytest.mark.parametrize("module", [harness, stats, training],
+@pytest.mark.parametrize("module", [harness, stats, study, training],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
