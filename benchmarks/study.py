@@ -144,6 +144,17 @@ class Arm(NamedTuple):
   paired: bool = True
 
 
+def sets_own_base(arm, base_arm: str = "adamw") -> bool:
+  """Whether the arm's own hyperparameters set its non-Q/K AdamW (the base
+  arm, an arm with own_base: e.g. a whole-model AdamW recipe) rather than
+  the base arm's choice; `arm`: anything with a name and own_base.
+
+  >>> sets_own_base(Arm("adamw")), sets_own_base(Arm("stiefel"))
+  (True, False)
+  """
+  return arm.name == base_arm or arm.own_base
+
+
 @dataclasses.dataclass(frozen=True)
 class Study:
   """arms: in run order. main_seeds / other_seeds: the paired seeds of the
@@ -177,9 +188,8 @@ class Study:
               f" is one); arms in order: {list(names)}.")
 
   def own_base(self, name: str) -> bool:
-    """Whether the arm's own hyperparameters set its non-Q/K AdamW (the
-    base arm, an arm with own_base) rather than the base arm's choice."""
-    return name == self.base_arm or self.arm(name).own_base
+    """Whether the arm sets its own non-Q/K AdamW (`sets_own_base`)."""
+    return sets_own_base(self.arm(name), self.base_arm)
 
   @property
   def names(self) -> tuple:
