@@ -743,15 +743,14 @@ def plan(study: Study, done: Mapping, data_id: str,
   then the study's stages. A run two stages name (the tuned adamw at
   nanoGPT's point is the reference) is listed once, at the first."""
   return study_lib.plan(study, finished(study, done, data_id), assume,
-                        reference_tasks(study),
-                        lambda t: task_name(study, t, data_id))
+                        reference_tasks(study))
 
 
 def remaining(study: Study, done: Mapping, data_id: str,
               assume: bool = False) -> list:
   """The plan's runs that are not finished."""
-  return [t for t in plan(study, done, data_id, assume)
-          if task_name(study, t, data_id) not in done]
+  return study_lib.remaining(study, finished(study, done, data_id), assume,
+                             reference_tasks(study))
 
 
 # Timing: what the runs so far took, per iteration, at the same size.
@@ -910,8 +909,7 @@ def study_state(study: Study, done: Mapping, data_id: str) -> dict:
   ({seed: record})."""
   runs, ref = finished(study, done, data_id), reference_tasks(study)
   return dict(
-      study_lib.state(study, runs, lambda t: task_name(study, t, data_id),
-                      ref),
+      study_lib.state(study, runs, ref),
       data=data_id, reference_config=dataclasses.asdict(
           reference_config(study)),
       reference={t.seed: r for t in ref if (r := runs.record(t)) is not None})

@@ -248,22 +248,24 @@ class Task(NamedTuple):
 class Finished(NamedTuple):
   """How a study reads the finished runs: record(task) is the run's record
   (None while it is not finished under this identity); score(record) its
-  validation score."""
+  validation score; name(task) (if given) the run's name in its store, so
+  that a run two stages name is planned once."""
   record: Callable[[Task], Optional[dict]]
   score: Callable[[dict], float]
+  name: Optional[Callable[[Task], str]] = None
 
 
 def indexed(done: Mapping[str, dict], name: Callable[[Task], str],
             score: Callable[[dict], float]) -> Finished:
   """The finished runs `done` ({run name: record}) as a study reads them:
-  a task's record is done[name(task)].
+  a task's record is done[name(task)]; name is the runs' name.
 
   >>> runs = indexed({"adamw_s0": {"acc": 0.5}}, lambda t: f"{t.arm}_s{t.seed}",
   ...                lambda r: r["acc"])
   >>> runs.record(Task("discovery", "adamw", {}, {}, 0))
   {'acc': 0.5}
   """
-  return Finished(lambda t: done.get(name(t)), score)
+  return Finished(lambda t: done.get(name(t)), score, name)
 
 
 def centre(axes) -> dict:
@@ -372,22 +374,23 @@ def stages(study: Study, runs: Finished, assume: bool = False) -> list:
   return tasks
 
 
-def plan(study: Study, runs: Finished, assume: bool = False, first=(),
-         name: Optional[Callable[[Task], str]] = None) -> list:
+def plan(study: Study, runs: Finished, assume: bool = False,
+         first=()) -> list:
   """`first` (an experiment's own runs, e.g. an external reference), then
-  the study's `stages`; a run named twice (by `name`) is listed once, at
-  the first."""
+  the study's `stages`; a run named twice (by `runs.name`) is listed once,
+  at the first."""
   tasks = list(first) + stages(study, runs, assume)
-  if name is None:
+  if runs.name is None:
     return tasks
   seen = set()
-  return [t for t in tasks if not ((n := name(t)) in seen or seen.add(n))]
+  return [t for t in tasks
+          if not ((n := runs.name(t)) in seen or seen.add(n))]
 
 
-def remaining(study: Study, runs: Finished, assume: bool = False, first=(),
-              name: Optional[Callable[[Task], str]] = None) -> list:
+def remaining(study: Study, runs: Finished, assume: bool = False,
+              first=()) -> list:
   """The plan's runs that are not finished."""
-  return [t for t in plan(study, runs, assume, first, name)
+  return [t for t in plan(study, runs, assume, first)
           if runs.record(t) is None]
 
 
@@ -437,12 +440,12 @@ def paired_runs(study: Study, runs: Finished, arm: str,
       harness.seed_block(s), arm, c[0], c[1], s, size))) is not None}
 
 
-def state(study: Study, runs: Finished, name: Callable[[Task], str],
-          first=()) -> dict:
-  """The study's plan read against the finished runs: per arm its tuning
-  (`tuning_runs`), its choice and its paired runs (at the first size); the
-  planned runs ({name: Task}, `plan` with `first`) and those not done."""
-  planned = {name(t): t for t in plan(study, runs, False, first, name)}
+def state(study: Study, runs: Finished, first=()) -> dict:
+  """The study's plan read against the finished runs (named: runs.name):
+  per arm its tuning (`tuning_runs`), its choice and its paired runs (at
+  the first size); the planned runs ({name: Task}, `plan` with `first`)
+  and those not done."""
+  planned = {runs.name(t): t for t in plan(study, runs, False, first)}
   return dict(
       tuning={a: tuning_runs(study, runs, a) for a in study.names},
       choices={a: choice(study, runs, a) for a in study.names},
