@@ -99,15 +99,9 @@ def qk_stiefel_muon(lr, **_):
 
 
 def qk_muon(lr, *, weight_decay, **_):
-  """optax.contrib.muon on each head's (d, head_dim) view, unconstrained,
-  with Moonlight's consistent-RMS scale 0.2 (so its lr reads like AdamW's)
-  and the model's weight decay."""
-  dims = lambda params: jax.tree.map(
-      lambda _: optax.contrib.MuonDimensionNumbers(reduction_axis=-2,
-                                                   output_axis=-1), params)
-  return optax.contrib.muon(lr, beta=0.95, nesterov=True,
-                            weight_decay=weight_decay, consistent_rms=0.2,
-                            muon_weight_dimension_numbers=dims)
+  """optax.contrib.muon on each head's (d, head_dim) view, unconstrained
+  (`training.per_head_muon`, the LM's muon too)."""
+  return training.per_head_muon(lr, weight_decay)
 
 
 def qk_no_cap(lr, *, eps=1e-8, **_):

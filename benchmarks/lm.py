@@ -324,27 +324,17 @@ def nanogpt_adamw(cfg: Config) -> optax.GradientTransformation:
                      mask=decay_mask)
 
 
-def muon_dims(params):
-  """Per-head q/k views (batch..., d, head_dim): rows reduce, columns out."""
-  return jax.tree.map(
-      lambda _: optax.contrib.MuonDimensionNumbers(reduction_axis=-2,
-                                                   output_axis=-1), params)
-
-
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   """The arm's optimizer, after one global-norm clip of the whole gradient.
 
-  `muon`: optax.contrib.muon's dimension numbers address whole axes of a
-  leaf, not the q and k thirds of a fused (d, 3 d) kernel split per head;
-  `so.frame_partition` hands it exactly those views, (2, n_head, d,
-  head_dim) per layer, the same per-head matrices the Stiefel arms train,
-  and maps its update back into the fused kernel (the v third and every
-  other weight on nanoGPT's AdamW). Muon sees each head's W_q (d, head_dim)
-  as a matrix x W = y, as it would with separate q/k kernels. It runs
+  `muon` (`training.per_head_muon`): optax.contrib.muon's dimension
+  numbers address whole axes of a leaf, not the q and k thirds of a fused
+  (d, 3 d) kernel split per head; `so.frame_partition` hands it exactly
+  those views, (2, n_head, d, head_dim) per layer, the same per-head
+  matrices the Stiefel arms train, and maps its update back into the fused
+  kernel (the v third and every other weight on nanoGPT's AdamW). It runs
   unconstrained (orthonormal_start='project' only skips the start check;
-  Muon has no retraction), with Moonlight's consistent-RMS scaling 0.2 (so
-  its lr reads like AdamW's), Nesterov momentum 0.95 and weight decay
-  `weight_decay`, as AdamW decays those weights.
+  Muon has no retraction).
   """
   adamw = nanogpt_adamw(cfg)
   sched = functools.partial(lr_schedule, cfg)
@@ -368,10 +358,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         stiefel_tx=so.stiefel_muon(sched(cfg.stiefel_muon_learning_rate)),
         euclidean_tx=adamw)
   elif cfg.arm == "muon":
-    muon = optax.contrib.muon(
-        sched(cfg.muon_learning_rate), beta=0.95, nesterov=True,
-        weight_decay=cfg.weight_decay, consistent_rms=0.2,
-        muon_weight_dimension_numbers=muon_dims)
+    muon = training.per_head_muon(sched(cfg.muon_learning_rate),
+                                  cfg.weight_decay)
     tx = so.frame_partition(muon, adamw, sel, orthonormal_start="project")
   else:
     raise ValueError(f"arm must be one of {ARMS}; got {cfg.arm!r}.")

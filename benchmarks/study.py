@@ -2,9 +2,10 @@
 seeds, planned from the finished runs (so it resumes anywhere).
 
 A `Study` names its arms, its tuning seeds, its paired seeds and the sizes
-its main arms run at; an experiment says how to find a finished run and
-how to score one (`Finished`). This module decides the rest, the same way
-for the CIFAR and the language-model benchmarks:
+its main arms run at; an experiment says how to find a finished run, how
+to score one and what it is called (`Finished`; `indexed` for runs held
+as {name: record}). This module decides the rest, the same way for the
+CIFAR and the language-model benchmarks:
 
 - **Tuning.** An arm's grid is a product of axes ((name, values), ...). A
   point's score is the mean over the tuning seeds of the experiment's
@@ -22,10 +23,17 @@ for the CIFAR and the language-model benchmarks:
   first tuning with runs left (run those, then ask again: the grid may
   widen); with `assume` (estimates only) a grid's centre stands in for a
   choice not yet made, and the whole study is listed, the runs that rest
-  on such a guess marked provisional.
+  on such a guess marked provisional. An arm asked for alone brings the
+  arms it builds on, for their choice only (`with_dependencies`).
+- **Estimate.** The runs left per stage and their expected seconds
+  (`estimate`), and how many more a grid could still add (`widening_bound`).
+- **State.** What a report reads: per arm its tuning grid with each
+  point's runs, its choice and its paired runs, and the runs planned and
+  left (`state`).
 - **Runner.** `run_tasks` runs the first unfinished run of a plan, then
   asks for the plan again, until nothing is left or a time budget would
-  be overrun.
+  be overrun; `run_study` also calls back after each paired run (the
+  tables so far).
 """
 
 from __future__ import annotations
@@ -455,29 +463,6 @@ def state(study: Study, runs: Finished, first=()) -> dict:
       left=[t for t in planned.values() if runs.record(t) is None])
 
 
-def widening_bound(study: Study, runs: Finished) -> list:
-  """[(tuning Task, extra points)]: per unfinished grid, a run at its
-  centre (provisional) and how many more points it would have if every
-  axis of it widened at each widening left (an upper bound; the plan
-  counts the current grid only)."""
-  out = []
-  for a in study.arms:
-    if not a.axes or a.name in dict(study.fixed):
-      continue
-    base = base_of(study, runs, a.name, assume=True)
-    if base is None:
-      continue
-    t = tuning(study, runs, a.name, base)
-    if t.finished:
-      continue
-    left = study.max_extensions - t.widenings
-    now = math.prod(len(v) for _, v in t.axes)
-    most = math.prod(len(v) + (left if len(v) >= 2 else 0) for _, v in t.axes)
-    out.append((tune_task(a.name, centre(t.axes), base, study.tune_seeds[0],
-                          True), most - now))
-  return out
-
-
 def comparison_pairs(arms: Sequence[str], baseline: str = "adamw",
                      method: str = "stiefel") -> list:
   """The (treatment, baseline) pairs a study reports, in order: each arm
@@ -504,6 +489,29 @@ def estimate(tasks: Sequence, expected_s: Callable[[Any], Optional[float]],
               seconds=seconds, untimed=sum(x is None for x in secs),
               provisional=sum(bool(t.provisional) for t in tasks),
               total_runs=len(tasks), total_seconds=sum(seconds.values()))
+
+
+def widening_bound(study: Study, runs: Finished) -> list:
+  """[(tuning Task, extra points)]: per unfinished grid, a run at its
+  centre (provisional) and how many more points it would have if every
+  axis of it widened at each widening left (an upper bound; the plan
+  counts the current grid only)."""
+  out = []
+  for a in study.arms:
+    if not a.axes or a.name in dict(study.fixed):
+      continue
+    base = base_of(study, runs, a.name, assume=True)
+    if base is None:
+      continue
+    t = tuning(study, runs, a.name, base)
+    if t.finished:
+      continue
+    left = study.max_extensions - t.widenings
+    now = math.prod(len(v) for _, v in t.axes)
+    most = math.prod(len(v) + (left if len(v) >= 2 else 0) for _, v in t.axes)
+    out.append((tune_task(a.name, centre(t.axes), base, study.tune_seeds[0],
+                          True), most - now))
+  return out
 
 
 # --------------------------------------------------------------------------
