@@ -99,15 +99,9 @@ def qk_stiefel_muon(lr, **_):
 
 
 def qk_muon(lr, *, weight_decay, **_):
-  """optax.contrib.muon on each head's (d, head_dim) view, unconstrained,
-  with Moonlight's consistent-RMS scale 0.2 (so its lr reads like AdamW's)
-  and the model's weight decay."""
-  dims = lambda params: jax.tree.map(
-      lambda _: optax.contrib.MuonDimensionNumbers(reduction_axis=-2,
-                                                   output_axis=-1), params)
-  return optax.contrib.muon(lr, beta=0.95, nesterov=True,
-                            weight_decay=weight_decay, consistent_rms=0.2,
-                            muon_weight_dimension_numbers=dims)
+  """optax.contrib.muon on each head's (d, head_dim) view, unconstrained
+  (`training.per_head_muon`, the LM's muon too)."""
+  return training.per_head_muon(lr, weight_decay)
 
 
 def qk_no_cap(lr, *, eps=1e-8, **_):
@@ -325,27 +319,11 @@ def run_name(task: Task) -> str:
 GROUPS = ("main", "competitor", "baseline", "ablation", "eps")
 
 
-def study_arm(arm: Arm, paired: bool = True) -> study_lib.Arm:
-  return study_lib.Arm(arm.name, arm.grid, arm.tune_from, arm.own_base,
-                       arm.group == "main", paired)
-
-
-def with_dependencies(registry: dict, names: Sequence[str]) -> list:
-  """`names` with the arms they build on (adamw, whose choice every arm's
-  non-Q/K AdamW is; the arm an ablation takes its choice from), in the
-  registry's run order (GROUPS). Those join the study for their choice
-  only: tuned if need be, not paired."""
-  unknown = sorted(set(names) - set(registry))
-  if unknown:
-    raise ValueError(f"unknown arms {unknown}; known: {list(registry)}.")
-  need, todo = set(), ["adamw", *names]
-  while todo:
-    a = todo.pop()
-    if a not in need:
-      need.add(a)
-      todo += [registry[a].tune_from] if registry[a].tune_from else []
-  return [a for g in GROUPS for a in registry
-          if a in need and registry[a].group == g]
+def study_arms(registry: dict) -> tuple:
+  """The registry's arms as the study plans them, in run order (GROUPS)."""
+  return tuple(study_lib.Arm(a.name, a.grid, a.tune_from, a.own_base,
+                             a.group == "main")
+               for g in GROUPS for a in registry.values() if a.group == g)
 
 
 class Bench:
@@ -383,9 +361,8 @@ class Bench:
     the main ones at each of `sizes` (largest first), the others at the
     largest; tuned by mean validation accuracy (higher is better)."""
     asked = list(self.arms) if arms is None else list(arms)
-    names = with_dependencies(self.arms, asked)
     return study_lib.Study(
-        arms=tuple(study_arm(self.arms[a], a in asked) for a in names),
+        arms=study_lib.with_dependencies(study_arms(self.arms), asked),
         tune_seeds=self.cfg.tune_seeds, main_seeds=tuple(main_seeds),
         other_seeds=tuple(other_seeds),
         sizes=tuple(sorted(sizes, key=lambda n: -1 if n is None else -n)),
@@ -394,13 +371,6 @@ class Bench:
 
   def finished(self) -> study_lib.Finished:
     return study_lib.Finished(self.load, lambda r: r["val_acc"])
-
-  def paired_task(self, arm: str, seed: int, n: int) -> Task:
-    """The paired run of `arm` at (seed, n) at the arm's chosen point."""
-    c = study_lib.choice(self.study(), self.finished(), arm)
-    if c is None:
-      raise RuntimeError(f"{arm}: tuning runs unfinished.")
-    return Task(harness.seed_block(seed), arm, c[0], c[1], seed, n)
 
   # results on disk --------------------------------------------------------
   def load(self, task: Task) -> Optional[dict]:
@@ -414,15 +384,11 @@ class Bench:
       if rec is None:
         return None
       self._records[name] = rec   # runs change only through `execute`
+    own = study_lib.sets_own_base(self.arms[task.arm])
     if rec.get("hp") != dict(task.point) or (
-        not self.own_base(task.arm) and rec.get("base") != dict(task.base)):
+        not own and rec.get("base") != dict(task.base)):
       return None
     return rec
-
-  def own_base(self, arm: str) -> bool:
-    """Whether the arm's hyperparameters set its non-Q/K AdamW (adamw and
-    the whole-model AdamW recipes), rather than adamw's choice."""
-    return arm == "adamw" or self.arms[arm].own_base
 
   # one run ----------------------------------------------------------------
   def epoch_fn(self, arm: Arm, hp: dict, base: dict, n: int):
@@ -458,8 +424,8 @@ class Bench:
     tuning = task.stage == "tune"
     hp = dict(task.point)
     # adamw and the whole-model AdamW recipes set their own non-Q/K AdamW
-    base = ({k: hp[k] for k in BASE_KEYS} if self.own_base(task.arm)
-            else dict(task.base))
+    own = study_lib.sets_own_base(self.arms[task.arm])
+    base = {k: hp[k] for k in BASE_KEYS} if own else dict(task.base)
     n = self.size(task)
     pool = self.pool if tuning else self.all_train
     ex, ey = ((self.x[self.val], self.y[self.val]) if tuning
@@ -514,28 +480,15 @@ class Bench:
 
 
 # --------------------------------------------------------------------------
-# The plan (`benchmarks.study`): most important results first.
-
-
-def remaining(bench: Bench, study: study_lib.Study) -> list:
-  """The study's unfinished runs, in order: the main arms' tuning (each
-  grid extended until its best point is interior), their paired runs at
-  each n (largest first), discovery seeds before confirmation seeds; then
-  the competitors, the baseline, the ablations and the eps sweep at the
-  largest n. It ends at the first tuning with runs left."""
-  return study_lib.remaining(study, bench.finished())
-
-
-def estimate(bench: Bench, study: study_lib.Study) -> dict:
-  """The study's unfinished runs (every point of each tuning grid as far
-  as it has widened, every paired run) and their expected wall seconds
-  (`Bench.expected_s`)."""
-  return study_lib.estimate(
-      study_lib.remaining(study, bench.finished(), assume=True),
-      bench.expected_s)
+# The plan (`benchmarks.study`): most important results first. The main
+# arms' tuning (each grid extended until its best point is interior), their
+# paired runs at each n (largest first), discovery seeds before
+# confirmation seeds; then the competitors, the baseline, the ablations and
+# the eps sweep at the largest n.
 
 
 def estimate_text(est: dict) -> str:
+  """`benchmarks.study.estimate` of the runs left as one line."""
   r = est["runs"]
   text = (f"to do: {r['tune']} tuning and"
           f" {r['discovery'] + r['confirmation']} paired runs, about"
@@ -551,21 +504,6 @@ def describe(task: Task, rec: dict) -> str:
   acc = rec.get("test_acc", rec.get("val_acc"))
   return (f"{run_name(task)}: acc {100 * acc:.2f}%, train loss"
           f" {rec['train_loss'][-1]:.3f}, {rec['wall_s']:.1f}s")
-
-
-def run_plan(bench: Bench, study: study_lib.Study, report_fn=None,
-             time_budget: float = 0.0) -> int:
-  """Runs the study's unfinished runs in order (`study_lib.run_tasks`: the
-  plan asked anew after each run); report_fn() after each paired run.
-  Returns the number of runs made."""
-  def after(task, _):
-    if task.stage != "tune" and report_fn:   # the tables so far
-      report_fn()
-
-  return study_lib.run_tasks(lambda: remaining(bench, study), bench.execute,
-                             desc="cifar", describe=describe, after=after,
-                             expected_s=bench.expected_s,
-                             time_budget=time_budget)
 
 
 # --------------------------------------------------------------------------
@@ -648,16 +586,21 @@ def main(argv=None) -> dict:
   bench = Bench(data, cfg, out, registry, inherit,
                 harness.portable(args.hp_from) if args.hp_from else None)
   if not args.report_only:
-    study = bench.study(sizes, seeds, other_seeds, arms)
+    study, runs = bench.study(sizes, seeds, other_seeds, arms), bench.finished()
     print(f"data {data.source} ({data.location or 'in memory'}); identity"
           f" {bench.fp}; out {out}", flush=True)
-    print(estimate_text(estimate(bench, study)), flush=True)
+    print(estimate_text(study_lib.estimate(
+        study_lib.remaining(study, runs, assume=True), bench.expected_s)),
+          flush=True)
     if args.dry_run:
       return {}
     t0 = time.time()
-    run_plan(bench, study, lambda: report_lib.report(
-        out, list(ARMS), data.source, cfg.to_dict(), plots=False),
-             args.time_budget)
+    study_lib.run_study(   # the plan asked anew after each run
+        lambda: study_lib.remaining(study, runs), bench.execute,
+        on_paired=lambda: report_lib.report(   # the tables so far
+            out, list(ARMS), data.source, cfg.to_dict(), plots=False),
+        desc="cifar", describe=describe, expected_s=bench.expected_s,
+        time_budget=args.time_budget)
     print(f"sweep wall time {time.time() - t0:.0f}s", flush=True)
   # --report-only reports the folder's runs under their own configuration
   # (a reference folder holds one: the tiny protocol's, the main one's).

@@ -252,6 +252,18 @@ class RunStore:
     return [json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))]
 
 
+def finished_runs(records: Iterable[dict], current_version: bool) -> dict:
+  """{name: record} of the finished runs (those with their `final`
+  results) whose identity checks: under this library's numerics version
+  (what a study reuses instead of training again, as RunStore.load with
+  the current identity does) or under the version each one records
+  (`matches`: what a report shows)."""
+  ok = ((lambda r: r.get("identity") == identity(r["config"], r["data"]))
+        if current_version else matches)
+  return {r["name"]: r for r in records
+          if r.get("final") is not None and ok(r)}
+
+
 # --------------------------------------------------------------------------
 # Seeds and the command line.
 

@@ -128,7 +128,7 @@ import math
 import pathlib
 import sys
 import time
-from typing import Mapping, NamedTuple, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -324,27 +324,17 @@ def nanogpt_adamw(cfg: Config) -> optax.GradientTransformation:
                      mask=decay_mask)
 
 
-def muon_dims(params):
-  """Per-head q/k views (batch..., d, head_dim): rows reduce, columns out."""
-  return jax.tree.map(
-      lambda _: optax.contrib.MuonDimensionNumbers(reduction_axis=-2,
-                                                   output_axis=-1), params)
-
-
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   """The arm's optimizer, after one global-norm clip of the whole gradient.
 
-  `muon`: optax.contrib.muon's dimension numbers address whole axes of a
-  leaf, not the q and k thirds of a fused (d, 3 d) kernel split per head;
-  `so.frame_partition` hands it exactly those views, (2, n_head, d,
-  head_dim) per layer, the same per-head matrices the Stiefel arms train,
-  and maps its update back into the fused kernel (the v third and every
-  other weight on nanoGPT's AdamW). Muon sees each head's W_q (d, head_dim)
-  as a matrix x W = y, as it would with separate q/k kernels. It runs
+  `muon` (`training.per_head_muon`): optax.contrib.muon's dimension
+  numbers address whole axes of a leaf, not the q and k thirds of a fused
+  (d, 3 d) kernel split per head; `so.frame_partition` hands it exactly
+  those views, (2, n_head, d, head_dim) per layer, the same per-head
+  matrices the Stiefel arms train, and maps its update back into the fused
+  kernel (the v third and every other weight on nanoGPT's AdamW). It runs
   unconstrained (orthonormal_start='project' only skips the start check;
-  Muon has no retraction), with Moonlight's consistent-RMS scaling 0.2 (so
-  its lr reads like AdamW's), Nesterov momentum 0.95 and weight decay
-  `weight_decay`, as AdamW decays those weights.
+  Muon has no retraction).
   """
   adamw = nanogpt_adamw(cfg)
   sched = functools.partial(lr_schedule, cfg)
@@ -368,10 +358,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         stiefel_tx=so.stiefel_muon(sched(cfg.stiefel_muon_learning_rate)),
         euclidean_tx=adamw)
   elif cfg.arm == "muon":
-    muon = optax.contrib.muon(
-        sched(cfg.muon_learning_rate), beta=0.95, nesterov=True,
-        weight_decay=cfg.weight_decay, consistent_rms=0.2,
-        muon_weight_dimension_numbers=muon_dims)
+    muon = training.per_head_muon(sched(cfg.muon_learning_rate),
+                                  cfg.weight_decay)
     tx = so.frame_partition(muon, adamw, sel, orthonormal_start="project")
   else:
     raise ValueError(f"arm must be one of {ARMS}; got {cfg.arm!r}.")
@@ -593,9 +581,10 @@ def train_run(cfg: Config, seed: int, corpus: Corpus,
 
 # --------------------------------------------------------------------------
 # The study (issue 14): fair tuning on validation, then paired seeds, as one
-# resumable command (`--study`). Everything below is a pure function of the
-# study's specification and the finished runs, so a rerun recomputes the
-# same plan, skips what is done and picks up where it stopped.
+# resumable command (`--study`). `benchmarks.study` plans it from the
+# finished runs, so a rerun recomputes the same plan, skips what is done and
+# picks up where it stopped; what is the LM's own is below: its grids, the
+# configuration of each planned run, the nanoGPT reference and its timing.
 
 # The AdamW recipes tune AdamW's own lr and weight decay; every other arm
 # tunes its Q/K group on top of adamw's chosen lr and weight decay (its
@@ -610,49 +599,29 @@ STAGES = ("reference",) + study_lib.STAGES
 
 
 @dataclasses.dataclass(frozen=True)
-class Study:
-  """A study: tune every arm on validation, then paired seeds.
+class Study(study_lib.Study):
+  """The shared study (`benchmarks.study.Study`: arms with their grids,
+  axes ((Config field, values), ...), tuning seeds, main and other seeds)
+  at the LM's settings, each tuning point scored by the mean over the
+  tuning seeds of the whole-split validation loss (lower is better).
 
   base: the paired runs' configuration (its arm is ignored); the nanoGPT
   reference is base as it is (AdamW at nanoGPT's published settings), its
   own record at reference_seeds. tune_iters: the tuning runs' schedule
-  (max_iters = lr_decay_iters; the rest as base). grids: ((arm, axes), ...)
-  in tuning order, axes ((Config field, values), ...). Each tuning point is
-  scored by the mean over tune_seeds of the whole-split validation loss
-  (lower is better); a grid is widened past the edges its best point lands
-  on, at most max_extensions times. main_arms run at main_seeds, the others
-  at other_seeds (discovery and confirmation seeds alike).
+  (max_iters = lr_decay_iters; the rest as base).
   """
-  base: Config
-  tune_iters: int
-  tune_seeds: tuple
-  grids: tuple
-  main_arms: tuple
-  main_seeds: tuple
-  other_seeds: tuple
-  reference_seeds: tuple
-  max_extensions: int = 3
+  higher_is_better: bool = False
+  base: Config = CPU
+  tune_iters: int = 500
+  reference_seeds: tuple = ()
 
-  @property
-  def arms(self) -> tuple:
-    return tuple(arm for arm, _ in self.grids)
 
-  def axes(self, arm: str) -> tuple:
-    return dict(self.grids)[arm]
-
-  def seeds(self, arm: str) -> tuple:
-    return self.main_seeds if arm in self.main_arms else self.other_seeds
-
-  def plan(self) -> study_lib.Study:
-    """The arms, seeds and tuning rule as the shared study plans them
-    (validation loss: lower is better)."""
-    return study_lib.Study(
-        arms=tuple(study_lib.Arm(a, axes, own_base=a in OWN_ADAMW,
-                                 main=a in self.main_arms)
-                   for a, axes in self.grids),
-        tune_seeds=self.tune_seeds, main_seeds=self.main_seeds,
-        other_seeds=self.other_seeds, max_extensions=self.max_extensions,
-        higher_is_better=False)
+def study_arms(grids: Sequence[tuple], main=("adamw", "stiefel")) -> tuple:
+  """The arms of grids ((arm, axes), ...), in that order: the main ones
+  tuned and paired first, the AdamW recipes (OWN_ADAMW) on their own
+  non-Q/K AdamW, the others on adamw's choice."""
+  return tuple(study_lib.Arm(a, axes, own_base=a in OWN_ADAMW, main=a in main)
+               for a, axes in grids)
 
 
 # The study at nanoGPT's CPU config. Tuning on the 500-iteration schedule
@@ -673,20 +642,19 @@ class Study:
 # 0.1, 0.3 and 1 were one run), and an absolute cap axis would spend a
 # third of the grid on copies of one point. Ratio 1 is the uncapped step.
 STUDY = Study(
-    base=CPU, tune_iters=500, tune_seeds=(100, 101, 102),
-    grids=(("adamw", ADAMW_GRID),
-           ("stiefel", (("stiefel_learning_rate", (0.1, 0.3, 1.0)),
-                        ("max_step_ratio", (0.1, 0.3, 1.0)))),
-           ("rsgd", (("rsgd_learning_rate", (3.0, 10.0, 30.0)),)),
-           ("stiefel_muon", (("stiefel_muon_learning_rate",
-                              (0.01, 0.03, 0.1)),)),
-           ("muon", (("muon_learning_rate", (1e-3, 3e-3, 1e-2)),)),
-           ("qk_norm", ADAMW_GRID),
-           ("orthogonal_init", ADAMW_GRID)),
-    main_arms=("adamw", "stiefel"),
+    arms=study_arms((
+        ("adamw", ADAMW_GRID),
+        ("stiefel", (("stiefel_learning_rate", (0.1, 0.3, 1.0)),
+                     ("max_step_ratio", (0.1, 0.3, 1.0)))),
+        ("rsgd", (("rsgd_learning_rate", (3.0, 10.0, 30.0)),)),
+        ("stiefel_muon", (("stiefel_muon_learning_rate", (0.01, 0.03, 0.1)),)),
+        ("muon", (("muon_learning_rate", (1e-3, 3e-3, 1e-2)),)),
+        ("qk_norm", ADAMW_GRID),
+        ("orthogonal_init", ADAMW_GRID))),
+    tune_seeds=(100, 101, 102),
     main_seeds=harness.DISCOVERY_SEEDS[:8] + harness.CONFIRMATION_SEEDS[:8],
     other_seeds=harness.DISCOVERY_SEEDS[:6] + harness.CONFIRMATION_SEEDS[:6],
-    reference_seeds=(0, 1, 2, 3))
+    base=CPU, tune_iters=500, reference_seeds=(0, 1, 2, 3))
 # The whole path at toy size (`--study --quick`, well under a minute): one
 # tuning seed, a 2-point AdamW grid (its best is on an edge, so it is
 # widened once), one point for the others, one non-main arm, two seeds per
@@ -697,42 +665,16 @@ QUICK_STUDY_BASE = dataclasses.replace(
     QUICK, n_layer=1, n_embd=8, block_size=8, max_iters=20,
     lr_decay_iters=20, eval_interval=10, eval_iters=2)
 QUICK_STUDY = Study(
-    base=QUICK_STUDY_BASE, tune_iters=20, tune_seeds=(100,),
-    grids=(("adamw", (("learning_rate", (1e-3, 1e-2)),
-                      ("weight_decay", (0.1,)))),
-           ("stiefel", (("stiefel_learning_rate", (0.3,)),
-                        ("max_step_ratio", (1.0,)))),
-           ("orthogonal_init", (("learning_rate", (1e-2,)),
-                                ("weight_decay", (0.1,))))),
-    main_arms=("adamw", "stiefel"), main_seeds=(0, 1, 500, 501),
-    other_seeds=(0, 1, 500, 501), reference_seeds=(0,), max_extensions=1)
+    arms=study_arms((
+        ("adamw", (("learning_rate", (1e-3, 1e-2)), ("weight_decay", (0.1,)))),
+        ("stiefel", (("stiefel_learning_rate", (0.3,)),
+                     ("max_step_ratio", (1.0,)))),
+        ("orthogonal_init", (("learning_rate", (1e-2,)),
+                             ("weight_decay", (0.1,)))))),
+    tune_seeds=(100,), main_seeds=(0, 1, 500, 501),
+    other_seeds=(0, 1, 500, 501), max_extensions=1,
+    base=QUICK_STUDY_BASE, tune_iters=20, reference_seeds=(0,))
 STUDIES = {"full": STUDY, "quick": QUICK_STUDY}
-
-
-class Task(NamedTuple):
-  """One run of a study: its stage (STAGES), arm, configuration and seed;
-  provisional when it stands in for a choice not yet made (estimates)."""
-  stage: str
-  arm: str
-  cfg: Config
-  seed: int
-  provisional: bool = False
-
-
-def finished_runs(records: Sequence[dict], current_version: bool) -> dict:
-  """{name: record} of the finished runs whose identity checks: under this
-  library version (what a study reuses instead of training again, as
-  train_run does) or under the version each one records (what a report
-  shows)."""
-  out = {}
-  for r in records:
-    if r.get("final") is None:
-      continue
-    ok = (r.get("identity") == harness.identity(r["config"], r["data"])
-          if current_version else harness.matches(r))
-    if ok:
-      out[r["name"]] = r
-  return out
 
 
 def point_config(base: Config, arm: str, hp: Mapping, iters: int) -> Config:
@@ -754,7 +696,10 @@ def reference_config(study: Study) -> Config:
   return dataclasses.replace(study.base, arm="adamw")
 
 
-centre = study_lib.centre
+def reference_tasks(study: Study) -> list:
+  """The nanoGPT reference's runs: planned before the study's own."""
+  return [study_lib.Task("reference", "adamw", {}, {}, s)
+          for s in study.reference_seeds]
 
 
 def task_config(study: Study, task: study_lib.Task) -> Config:
@@ -767,69 +712,33 @@ def task_config(study: Study, task: study_lib.Task) -> Config:
                       iters)
 
 
+def task_name(study: Study, task: study_lib.Task, data_id: str) -> str:
+  """The planned run's file name (`run_name`)."""
+  return run_name(task_config(study, task), task.seed, data_id)
+
+
 def finished(study: Study, done: Mapping, data_id: str) -> study_lib.Finished:
   """The finished runs `done` ({name: record}) as the shared study reads
   them, scored by the whole-split validation loss."""
-  return study_lib.Finished(
-      record=lambda t: done.get(run_name(task_config(study, t), t.seed,
-                                         data_id)),
-      score=lambda r: r["final"]["val_loss_full"])
-
-
-def tuning(study: Study, arm: str, base: Mapping, done: Mapping,
-           data_id: str) -> study_lib.Tuning:
-  """The arm's tuning grid (on top of the non-Q/K AdamW hp `base`), widened
-  as far as the finished runs in `done` call for."""
-  return study_lib.tuning(study.plan(), finished(study, done, data_id), arm,
-                          base)
-
-
-def arm_base(study: Study, arm: str, done: Mapping, data_id: str,
-             assume: bool = False) -> Optional[dict]:
-  """The non-Q/K AdamW hyperparameters of an arm's runs: {} for the AdamW
-  recipes (their grid sets them), else adamw's chosen point (None until
-  adamw's tuning is finished)."""
-  return study_lib.base_of(study.plan(), finished(study, done, data_id), arm,
-                           assume)
-
-
-def choice(study: Study, arm: str, done: Mapping, data_id: str,
-           assume: bool = False) -> Optional[tuple]:
-  """(point, base): the arm's best tuning point and its non-Q/K AdamW hp,
-  or None while its tuning (or adamw's, on which it builds) is unfinished;
-  with assume, the centre of the current grid stands in (estimates only)."""
-  return study_lib.choice(study.plan(), finished(study, done, data_id), arm,
-                          assume)
+  return study_lib.indexed(done, lambda t: task_name(study, t, data_id),
+                           lambda r: r["final"]["val_loss_full"])
 
 
 def plan(study: Study, done: Mapping, data_id: str,
          assume: bool = False) -> list:
   """Every run of the study that the finished runs `done` let us name, in
-  the order to run them (`benchmarks.study`): the nanoGPT reference; the
-  main arms' tuning (adamw first: the others build on its choice), their
-  discovery seeds, then their confirmation seeds; then each other arm's
-  tuning, discovery and confirmation seeds. The list stops at the first
-  tuning that is unfinished; with assume, grid centres stand in for the
-  choices not yet made, and the whole study is listed (for estimates). A
-  run two stages name (the tuned adamw at nanoGPT's point is the
-  reference) is listed once, at the first."""
-  reference = [study_lib.Task("reference", "adamw", {}, {}, s)
-               for s in study.reference_seeds]
-  name = lambda t: run_name(task_config(study, t), t.seed, data_id)
-  return [Task(t.stage, t.arm, task_config(study, t), t.seed, t.provisional)
-          for t in study_lib.plan(study.plan(), finished(study, done, data_id),
-                                  assume, reference, name)]
-
-
-def task_name(task: Task, data_id: str) -> str:
-  return run_name(task.cfg, task.seed, data_id)
+  the order to run them (`benchmarks.study.plan`): the nanoGPT reference,
+  then the study's stages. A run two stages name (the tuned adamw at
+  nanoGPT's point is the reference) is listed once, at the first."""
+  return study_lib.plan(study, finished(study, done, data_id), assume,
+                        reference_tasks(study))
 
 
 def remaining(study: Study, done: Mapping, data_id: str,
               assume: bool = False) -> list:
   """The plan's runs that are not finished."""
-  return [t for t in plan(study, done, data_id, assume)
-          if task_name(t, data_id) not in done]
+  return study_lib.remaining(study, finished(study, done, data_id), assume,
+                             reference_tasks(study))
 
 
 # Timing: what the runs so far took, per iteration, at the same size.
@@ -870,48 +779,29 @@ def run_seconds(cfg: Config, rates: Mapping,
   return None if rate is None else rate * cfg.max_iters
 
 
-def widening_bound(study: Study, done: Mapping, data_id: str) -> list:
-  """[(tuning Task, extra points)]: how many more points each unfinished
-  grid would have if every axis of it widened at each widening left (an
-  upper bound; the plan counts the current grid only)."""
-  out = []
-  for arm in study.arms:
-    base = arm_base(study, arm, done, data_id, assume=True)
-    t = tuning(study, arm, base, done, data_id)
-    if t.finished:
-      continue
-    left = study.max_extensions - t.widenings
-    now = math.prod(len(v) for _, v in t.axes)
-    most = math.prod(len(v) + (left if len(v) >= 2 else 0) for _, v in t.axes)
-    cfg = point_config(study.base, arm, {**base, **centre(t.axes)},
-                       study.tune_iters)
-    out.append((Task("tune", arm, cfg, study.tune_seeds[0], True),
-                most - now))
-  return out
-
-
 def estimate(study: Study, done: Mapping, data_id: str, rates: Mapping,
              probed: Optional[tuple] = None) -> dict:
-  """The runs left to do per stage and their expected wall seconds (None
-  where no run of that size has been timed), and the widening bound."""
+  """The runs left to do per stage and their expected wall seconds
+  (`benchmarks.study.estimate`; untimed where no run of that size has
+  been timed), and the widening bound (`benchmarks.study.widening_bound`)."""
   compiled = set()
+  seconds = lambda t: run_seconds(task_config(study, t), rates, probed)
 
-  def expected_s(task: Task) -> Optional[float]:
-    s = run_seconds(task.cfg, rates, probed)
-    if probed is not None and train_config(task.cfg) not in compiled:
-      compiled.add(train_config(task.cfg))   # one compilation per config
+  def expected_s(task: study_lib.Task) -> Optional[float]:
+    s, tc = seconds(task), train_config(task_config(study, task))
+    if probed is not None and tc not in compiled:
+      compiled.add(tc)   # one compilation per config
       s += probed[1]
     return s
 
   est = study_lib.estimate(remaining(study, done, data_id, assume=True),
                            expected_s, STAGES)
-  widen = widening_bound(study, done, data_id)
-  wruns = sum(n * len(study.tune_seeds) for _, n in widen)
+  widen = study_lib.widening_bound(study, finished(study, done, data_id))
+  n = len(study.tune_seeds)
   compile_s = 0.0 if probed is None else probed[1]
-  wsecs = sum(n * (len(study.tune_seeds)
-                   * (run_seconds(t.cfg, rates, probed) or 0.0) + compile_s)
-              for t, n in widen)
-  return dict(est, widening_runs=wruns, widening_seconds=wsecs,
+  return dict(est, widening_runs=sum(k * n for _, k in widen),
+              widening_seconds=sum(k * (n * (seconds(t) or 0.0) + compile_s)
+                                   for t, k in widen),
               source="probe" if probed else "records")
 
 
@@ -948,39 +838,37 @@ def estimate_text(study: Study, est: dict, n_timed: int) -> str:
   return text + "."
 
 
+
 def run_study(study: Study, corpus: Corpus, out: pathlib.Path, *,
               command: str = "", log=print, time_budget: float = 0.0,
               rates: Optional[Mapping] = None, on_paired=None) -> int:
-  """Runs the study's unfinished runs in plan order (`study_lib.run_tasks`:
-  the plan recomputed after each, so a tuning grid widens as its runs come
-  in); stops before a run expected to end past time_budget seconds.
-  on_paired() after each paired run (the tables so far). Returns the
-  number of runs trained."""
-  done = finished_runs(harness.RunStore(out).records(), current_version=True)
+  """Runs the study's unfinished runs in plan order
+  (`benchmarks.study.run_study`: the plan recomputed after each, so a
+  tuning grid widens as its runs come in); stops before a run expected to
+  end past time_budget seconds. on_paired() after each paired run (the
+  tables so far). Returns the number of runs trained."""
+  done = harness.finished_runs(harness.RunStore(out).records(),
+                               current_version=True)
   rates = dict(rates or {})
 
-  def execute(task: Task) -> dict:
-    rec = train_run(task.cfg, task.seed, corpus, out, command=command,
-                    log=log)
-    if rec["name"] != task_name(task, corpus.data_id) or rec.get(
+  def execute(task: study_lib.Task) -> dict:
+    cfg = task_config(study, task)
+    rec = train_run(cfg, task.seed, corpus, out, command=command, log=log)
+    if rec["name"] != run_name(cfg, task.seed, corpus.data_id) or rec.get(
         "final") is None:
       raise RuntimeError(f"{rec['name']}: not the finished run planned.")
     done[rec["name"]] = rec
     return rec
 
-  def describe(task: Task, rec: dict) -> str:
+  def describe(task: study_lib.Task, rec: dict) -> str:
     f = rec["final"]
     return (f"{task.stage} {rec['name']}: train {f['train_loss']:.4f}, val"
             f" (whole split) {f['val_loss_full']:.4f}, {rec['wall_s']:.0f} s")
 
-  def after(task: Task, _) -> None:
-    if task.stage in ("discovery", "confirmation") and on_paired is not None:
-      on_paired()
-
-  return study_lib.run_tasks(
+  return study_lib.run_study(
       lambda: remaining(study, done, corpus.data_id), execute,
-      desc="lm study", describe=describe, after=after,
-      expected_s=lambda task: run_seconds(task.cfg, rates),
+      on_paired=on_paired, desc="lm study", describe=describe,
+      expected_s=lambda t: run_seconds(task_config(study, t), rates),
       time_budget=time_budget, log=log, progress=False)
 
 
@@ -1001,59 +889,18 @@ def study_data(records) -> str:
   return ref if ref in ids or not ids else ids[0]
 
 
-def tuning_runs(study: Study, arm: str, done: Mapping,
-                data_id: str) -> Optional[dict]:
-  """The arm's tuning as the plan reads it from the finished runs `done`:
-  dict(base, axes, finished, widenings, points, chosen, on_edge), its
-  non-Q/K AdamW hp, its grid as far as it is widened, each grid point with
-  its finished runs ([(point, {seed: record})]), its chosen point (None
-  while unfinished) and whether that lies on an edge the widenings left;
-  None while it waits on adamw's tuning."""
-  base = arm_base(study, arm, done, data_id)
-  if base is None:
-    return None
-  t = tuning(study, arm, base, done, data_id)
-  points = []
-  for p in study_lib.grid_points(t.axes):
-    cfg = point_config(study.base, arm, {**base, **p}, study.tune_iters)
-    points.append((p, {s: done[n] for s in study.tune_seeds
-                       if (n := run_name(cfg, s, data_id)) in done}))
-  chosen = (study_lib.best_point(t.axes, t.scores, higher_is_better=False)
-            if t.finished else None)
-  return dict(base=base, axes=t.axes, finished=t.finished,
-              widenings=t.widenings, points=points, chosen=chosen,
-              on_edge=t.finished
-              and study_lib.extend_axes(t.axes, chosen) is not None)
-
-
-def paired_runs(study: Study, arm: str, done: Mapping, data_id: str) -> dict:
-  """{seed: record} of the arm's finished paired runs at its choice."""
-  c = choice(study, arm, done, data_id)
-  if c is None:
-    return {}
-  cfg = point_config(study.base, arm, {**c[1], **c[0]}, study.base.max_iters)
-  return {s: done[n] for s in study.seeds(arm)
-          if (n := run_name(cfg, s, data_id)) in done}
-
-
 def study_state(study: Study, done: Mapping, data_id: str) -> dict:
   """The study's plan read against the finished runs `done` on `data_id`,
-  as `benchmarks.reports.lm.study_summary` takes it: per arm its tuning
-  (`tuning_runs`), its choice and its paired runs; the nanoGPT reference's
-  configuration (a dict) and runs ({seed: record}); the planned runs
-  ({name: Task}) and those of them not done."""
-  ref = reference_config(study)
-  planned = {task_name(t, data_id): t for t in plan(study, done, data_id)}
+  as `benchmarks.reports.lm.study_summary` takes it: `benchmarks.study.state`
+  (per arm its tuning, choice and paired runs; the planned runs and those
+  not done) with the nanoGPT reference's configuration (a dict) and runs
+  ({seed: record})."""
+  runs, ref = finished(study, done, data_id), reference_tasks(study)
   return dict(
-      data=data_id,
-      tuning={a: tuning_runs(study, a, done, data_id) for a in study.arms},
-      choices={a: choice(study, a, done, data_id) for a in study.arms},
-      paired={a: paired_runs(study, a, done, data_id) for a in study.arms},
-      reference_config=dataclasses.asdict(ref),
-      reference={s: done[n] for s in study.reference_seeds
-                 if (n := run_name(ref, s, data_id)) in done},
-      planned=planned,
-      left=[t for n, t in planned.items() if n not in done])
+      study_lib.state(study, runs, ref),
+      data=data_id, reference_config=dataclasses.asdict(
+          reference_config(study)),
+      reference={t.seed: r for t in ref if (r := runs.record(t)) is not None})
 
 
 def write_report(out: pathlib.Path, study: Optional[str] = None) -> dict:
@@ -1064,7 +911,7 @@ def write_report(out: pathlib.Path, study: Optional[str] = None) -> dict:
   if study is None:
     return report_lib.report(out, records, REPORT)
   spec = STUDIES[study]
-  index = finished_runs(records, current_version=False)
+  index = harness.finished_runs(records, current_version=False)
   return report_lib.report(out, records, REPORT, study, spec,
                            study_state(spec, index, study_data(index.values())))
 
@@ -1253,13 +1100,13 @@ def train_study(name: str, args, argv, corpus: Corpus, out: pathlib.Path,
   after each paired run; with --dry-run returns the estimate instead."""
   study = STUDIES[name]
   records = harness.RunStore(out).records()
-  done = finished_runs(records, current_version=True)
+  done = harness.finished_runs(records, current_version=True)
   rates = iteration_rates(records)
   probed = None
   left = remaining(study, done, corpus.data_id, assume=True)
   if args.probe and left:
-    per_step, compile_s, steps = measure_steps(left[0].cfg, left[0].seed,
-                                               corpus, args.probe)
+    per_step, compile_s, steps = measure_steps(
+        task_config(study, left[0]), left[0].seed, corpus, args.probe)
     probed = (per_step, compile_s)
     log(f"probe: {steps} steps of {left[0].arm} in {per_step * steps:.1f} s"
         f" ({1e3 * per_step:.1f} ms/step, about {compile_s:.0f} s to"

@@ -2,9 +2,10 @@
 seeds, planned from the finished runs (so it resumes anywhere).
 
 A `Study` names its arms, its tuning seeds, its paired seeds and the sizes
-its main arms run at; an experiment says how to find a finished run and
-how to score one (`Finished`). This module decides the rest, the same way
-for the CIFAR and the language-model benchmarks:
+its main arms run at; an experiment says how to find a finished run, how
+to score one and what it is called (`Finished`; `indexed` for runs held
+as {name: record}). This module decides the rest, the same way for the
+CIFAR and the language-model benchmarks:
 
 - **Tuning.** An arm's grid is a product of axes ((name, values), ...). A
   point's score is the mean over the tuning seeds of the experiment's
@@ -22,16 +23,24 @@ for the CIFAR and the language-model benchmarks:
   first tuning with runs left (run those, then ask again: the grid may
   widen); with `assume` (estimates only) a grid's centre stands in for a
   choice not yet made, and the whole study is listed, the runs that rest
-  on such a guess marked provisional.
+  on such a guess marked provisional. An arm asked for alone brings the
+  arms it builds on, for their choice only (`with_dependencies`).
+- **Estimate.** The runs left per stage and their expected seconds
+  (`estimate`), and how many more a grid could still add (`widening_bound`).
+- **State.** What a report reads: per arm its tuning grid with each
+  point's runs, its choice and its paired runs, and the runs planned and
+  left (`state`).
 - **Runner.** `run_tasks` runs the first unfinished run of a plan, then
   asks for the plan again, until nothing is left or a time budget would
-  be overrun.
+  be overrun; `run_study` also calls back after each paired run (the
+  tables so far).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
@@ -123,6 +132,7 @@ def tuned_axes(axes, scores_of: Callable[[tuple], Optional[dict]],
 # The plan.
 
 STAGES = ("tune", "discovery", "confirmation")
+PAIRED = STAGES[1:]
 
 
 class Arm(NamedTuple):
@@ -140,6 +150,17 @@ class Arm(NamedTuple):
   own_base: bool = False
   main: bool = True
   paired: bool = True
+
+
+def sets_own_base(arm, base_arm: str = "adamw") -> bool:
+  """Whether the arm's own hyperparameters set its non-Q/K AdamW (the base
+  arm, an arm with own_base: e.g. a whole-model AdamW recipe) rather than
+  the base arm's choice; `arm`: anything with a name and own_base.
+
+  >>> sets_own_base(Arm("adamw")), sets_own_base(Arm("stiefel"))
+  (True, False)
+  """
+  return arm.name == base_arm or arm.own_base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +185,8 @@ class Study:
     # builds on comes earlier, and is a main arm if it is one.
     names = self.names
     for i, a in enumerate(self.arms):
-      needs = ([self.base_arm] if a.name != self.base_arm and not a.own_base
-               else []) + ([a.tune_from] if a.axes is None else [])
+      needs = ([] if self.own_base(a.name) else [self.base_arm]) + (
+          [a.tune_from] if a.axes is None else [])
       for need in needs:
         if need not in names or names.index(need) > i or (
             a.main and not self.arm(need).main):
@@ -173,6 +194,10 @@ class Study:
               f"study: arm {a.name!r} builds on {need!r}, which must be an"
               f" arm of the study before it (and a main arm if {a.name!r}"
               f" is one); arms in order: {list(names)}.")
+
+  def own_base(self, name: str) -> bool:
+    """Whether the arm sets its own non-Q/K AdamW (`sets_own_base`)."""
+    return sets_own_base(self.arm(name), self.base_arm)
 
   @property
   def names(self) -> tuple:
@@ -186,6 +211,32 @@ class Study:
 
   def seeds(self, name: str) -> tuple:
     return self.main_seeds if self.arm(name).main else self.other_seeds
+
+
+def with_dependencies(arms: Sequence[Arm], names: Sequence[str],
+                      base_arm: str = "adamw") -> tuple:
+  """The arms of `arms` (in run order) that `names` asks for, with the
+  arms they build on: the base arm (whose choice is every other arm's
+  non-Q/K AdamW) and, transitively, the arm each takes its choice from
+  (`tune_from`). Those join for their choice only: paired=False.
+
+  >>> arms = (Arm("adamw", ()), Arm("stiefel", ()),
+  ...         Arm("no_cap", None, tune_from="stiefel", main=False))
+  >>> [(a.name, a.paired) for a in with_dependencies(arms, ["no_cap"])]
+  [('adamw', False), ('stiefel', False), ('no_cap', True)]
+  """
+  by_name = {a.name: a for a in arms}
+  unknown = sorted(set(names) - set(by_name))
+  if unknown:
+    raise ValueError(f"unknown arms {unknown}; known: {list(by_name)}.")
+  need, todo = set(), [base_arm, *names]
+  while todo:
+    a = todo.pop()
+    if a not in need:
+      need.add(a)
+      todo += [by_name[a].tune_from] if by_name[a].tune_from else []
+  return tuple(a._replace(paired=a.name in names) for a in arms
+               if a.name in need)
 
 
 class Task(NamedTuple):
@@ -205,9 +256,24 @@ class Task(NamedTuple):
 class Finished(NamedTuple):
   """How a study reads the finished runs: record(task) is the run's record
   (None while it is not finished under this identity); score(record) its
-  validation score."""
+  validation score; name(task) (if given) the run's name in its store, so
+  that a run two stages name is planned once."""
   record: Callable[[Task], Optional[dict]]
   score: Callable[[dict], float]
+  name: Optional[Callable[[Task], str]] = None
+
+
+def indexed(done: Mapping[str, dict], name: Callable[[Task], str],
+            score: Callable[[dict], float]) -> Finished:
+  """The finished runs `done` ({run name: record}) as a study reads them:
+  a task's record is done[name(task)]; name is the runs' name.
+
+  >>> runs = indexed({"adamw_s0": {"acc": 0.5}}, lambda t: f"{t.arm}_s{t.seed}",
+  ...                lambda r: r["acc"])
+  >>> runs.record(Task("discovery", "adamw", {}, {}, 0))
+  {'acc': 0.5}
+  """
+  return Finished(lambda t: done.get(name(t)), score, name)
 
 
 def centre(axes) -> dict:
@@ -241,7 +307,7 @@ def base_of(study: Study, runs: Finished, arm: str,
             assume: bool = False) -> Optional[dict]:
   """The non-Q/K AdamW of the arm's runs: {} for the base arm and the arms
   that set their own, else the base arm's choice (None until it is made)."""
-  if arm == study.base_arm or study.arm(arm).own_base:
+  if study.own_base(arm):
     return {}
   c = choice(study, runs, study.base_arm, assume)
   return None if c is None else dict(c[0])
@@ -316,23 +382,85 @@ def stages(study: Study, runs: Finished, assume: bool = False) -> list:
   return tasks
 
 
-def plan(study: Study, runs: Finished, assume: bool = False, first=(),
-         name: Optional[Callable[[Task], str]] = None) -> list:
+def plan(study: Study, runs: Finished, assume: bool = False,
+         first=()) -> list:
   """`first` (an experiment's own runs, e.g. an external reference), then
-  the study's `stages`; a run named twice (by `name`) is listed once, at
-  the first."""
+  the study's `stages`; a run named twice (by `runs.name`) is listed once,
+  at the first."""
   tasks = list(first) + stages(study, runs, assume)
-  if name is None:
+  if runs.name is None:
     return tasks
   seen = set()
-  return [t for t in tasks if not ((n := name(t)) in seen or seen.add(n))]
+  return [t for t in tasks
+          if not ((n := runs.name(t)) in seen or seen.add(n))]
 
 
-def remaining(study: Study, runs: Finished, assume: bool = False, first=(),
-              name: Optional[Callable[[Task], str]] = None) -> list:
+def remaining(study: Study, runs: Finished, assume: bool = False,
+              first=()) -> list:
   """The plan's runs that are not finished."""
-  return [t for t in plan(study, runs, assume, first, name)
+  return [t for t in plan(study, runs, assume, first)
           if runs.record(t) is None]
+
+
+def paired_task(study: Study, runs: Finished, arm: str, seed: int,
+                size: Optional[int] = None) -> Task:
+  """The paired run of `arm` at (seed, size), at the arm's choice."""
+  c = choice(study, runs, arm)
+  if c is None:
+    raise RuntimeError(f"{arm}: tuning runs unfinished.")
+  return Task(harness.seed_block(seed), arm, c[0], c[1], seed, size)
+
+
+# --------------------------------------------------------------------------
+# The study's state, as its report reads it: the plan against the runs.
+
+
+def tuning_runs(study: Study, runs: Finished, arm: str) -> Optional[dict]:
+  """The arm's tuning as the plan reads it from the finished runs:
+  dict(base, axes, finished, widenings, points, chosen, on_edge): its
+  non-Q/K AdamW, its grid as far as it is widened, each grid point with its
+  finished runs ([(point, {seed: record})]), its chosen point (None while
+  unfinished) and whether that lies on an edge the widenings left. None
+  while it waits on the base arm's tuning, or when it tunes nothing (no
+  grid, or a choice fixed elsewhere)."""
+  base = base_of(study, runs, arm)
+  if base is None or not study.arm(arm).axes or arm in dict(study.fixed):
+    return None
+  t = tuning(study, runs, arm, base)
+  points = [(p, {s: r for s in study.tune_seeds
+                 if (r := runs.record(tune_task(arm, p, base, s))) is not None})
+            for p in grid_points(t.axes)]
+  chosen = (best_point(t.axes, t.scores, study.higher_is_better)
+            if t.finished else None)
+  return dict(base=base, axes=t.axes, finished=t.finished,
+              widenings=t.widenings, points=points, chosen=chosen,
+              on_edge=t.finished and extend_axes(t.axes, chosen) is not None)
+
+
+def paired_runs(study: Study, runs: Finished, arm: str,
+                size: Optional[int] = None) -> dict:
+  """{seed: record} of the arm's finished paired runs at its choice (at
+  `size`)."""
+  c = choice(study, runs, arm)
+  if c is None:
+    return {}
+  return {s: r for s in study.seeds(arm) if (r := runs.record(Task(
+      harness.seed_block(s), arm, c[0], c[1], s, size))) is not None}
+
+
+def state(study: Study, runs: Finished, first=()) -> dict:
+  """The study's plan read against the finished runs (named: runs.name):
+  per arm its tuning (`tuning_runs`), its choice and its paired runs (at
+  the first size); the planned runs ({name: Task}, `plan` with `first`)
+  and those not done."""
+  planned = {runs.name(t): t for t in plan(study, runs, False, first)}
+  return dict(
+      tuning={a: tuning_runs(study, runs, a) for a in study.names},
+      choices={a: choice(study, runs, a) for a in study.names},
+      paired={a: paired_runs(study, runs, a, study.sizes[0])
+              for a in study.names},
+      planned=planned,
+      left=[t for t in planned.values() if runs.record(t) is None])
 
 
 def comparison_pairs(arms: Sequence[str], baseline: str = "adamw",
@@ -363,8 +491,42 @@ def estimate(tasks: Sequence, expected_s: Callable[[Any], Optional[float]],
               total_runs=len(tasks), total_seconds=sum(seconds.values()))
 
 
+def widening_bound(study: Study, runs: Finished) -> list:
+  """[(tuning Task, extra points)]: per unfinished grid, a run at its
+  centre (provisional) and how many more points it would have if every
+  axis of it widened at each widening left (an upper bound; the plan
+  counts the current grid only)."""
+  out = []
+  for a in study.arms:
+    if not a.axes or a.name in dict(study.fixed):
+      continue
+    base = base_of(study, runs, a.name, assume=True)
+    if base is None:
+      continue
+    t = tuning(study, runs, a.name, base)
+    if t.finished:
+      continue
+    left = study.max_extensions - t.widenings
+    now = math.prod(len(v) for _, v in t.axes)
+    most = math.prod(len(v) + (left if len(v) >= 2 else 0) for _, v in t.axes)
+    out.append((tune_task(a.name, centre(t.axes), base, study.tune_seeds[0],
+                          True), most - now))
+  return out
+
+
 # --------------------------------------------------------------------------
 # The study runner: every experiment's plan, run in order, resumable.
+
+
+def run_study(remaining: Callable[[], Sequence], execute: Callable, *,
+              on_paired: Optional[Callable[[], Any]] = None, **kwargs) -> int:
+  """`run_tasks` of a study's plan (`remaining()`: its unfinished runs,
+  asked anew after each run), calling on_paired() after each paired run
+  (e.g. to write the tables so far). kwargs: `run_tasks`'s."""
+  def after(task, _):
+    if on_paired is not None and task.stage in PAIRED:
+      on_paired()
+  return run_tasks(remaining, execute, after=after, **kwargs)
 
 
 def run_tasks(remaining: Callable[[], Sequence], execute: Callable, *,

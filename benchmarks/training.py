@@ -1,5 +1,6 @@
-"""The one training loop every benchmark runs, its checkpoint, and the one
-evaluation of a classifier's logits.
+"""The one training loop every benchmark runs, its checkpoint, the one
+evaluation of a classifier's logits and the one Muon baseline of the
+attention benchmarks (`per_head_muon`).
 
 A chunk is `k` optimizer steps in one `lax.scan`: per step
 
@@ -75,6 +76,31 @@ def loss_and_accuracy(logits: jax.Array, labels: jax.Array):
   loss = optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jnp.float32), labels).mean()
   return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
+
+
+def per_head_muon(learning_rate, weight_decay: float
+                  ) -> optax.GradientTransformation:
+  """The `muon` arm of the attention benchmarks: `optax.contrib.muon` on
+  frame views (..., d, head_dim), rows reduced and columns out, so that it
+  sees each head's W_q (d, head_dim) as a matrix x W = y (as it would
+  with separate per-head kernels); unconstrained, with Nesterov momentum
+  0.95 (Muon's default), Moonlight's consistent-RMS scale 0.2 (so its lr
+  reads like AdamW's) and the model's weight decay, as AdamW decays the
+  same weights.
+
+  >>> import jax.numpy as jnp
+  >>> tx = per_head_muon(1e-3, weight_decay=0.1)
+  >>> w = {"q": jnp.ones((2, 8, 4))}         # two heads' (d, head_dim) views
+  >>> u, _ = tx.update(w, tx.init(w), w)
+  >>> u["q"].shape
+  (2, 8, 4)
+  """
+  dims = lambda params: jax.tree.map(
+      lambda _: optax.contrib.MuonDimensionNumbers(reduction_axis=-2,
+                                                   output_axis=-1), params)
+  return optax.contrib.muon(learning_rate, beta=0.95, nesterov=True,
+                            weight_decay=weight_decay, consistent_rms=0.2,
+                            muon_weight_dimension_numbers=dims)
 
 
 def save_carry(path: os.PathLike, carry) -> None:

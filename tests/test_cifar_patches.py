@@ -14,6 +14,7 @@ import pytest
 
 import stiefel_optax as so
 from benchmarks import cifar_data, cifar_patches as cp, harness, stats
+from benchmarks import study as study_lib
 from benchmarks.models import PatchViTConfig, patchify
 from benchmarks.reports import cifar as cifar_report
 # Test inputs from NumPy: no jax.random compilation per shape.
@@ -170,12 +171,13 @@ def test_recipes_keep_frames_orthonormal(name):
 
 def test_an_arm_brings_the_arms_it_builds_on(tmp_path):
   # every arm trains on adamw's choice; an ablation takes stiefel's
-  assert cp.with_dependencies(cp.ARMS, ["no_cap"]) == [
-      "adamw", "stiefel", "no_cap"]
-  assert cp.with_dependencies(cp.ARMS, ["eps_0.1", "rsgd", "adamw"]) == [
+  deps = lambda names: [a.name for a in study_lib.with_dependencies(
+      cp.study_arms(cp.ARMS), names)]
+  assert deps(["no_cap"]) == ["adamw", "stiefel", "no_cap"]
+  assert deps(["eps_0.1", "rsgd", "adamw"]) == [
       "adamw", "stiefel", "rsgd", "eps_0.1"]
   with pytest.raises(ValueError, match="unknown arms"):
-    cp.with_dependencies(cp.ARMS, ["sgd"])
+    deps(["sgd"])
   # they join for their choice only: tuned, not paired
   cfg = cp.quick_config()
   bench = cp.Bench(cifar_data.synthetic(448, cfg.val_size), cfg, tmp_path)
@@ -203,8 +205,9 @@ def test_competitor_arms_train(tmp_path):
              "muon": {"lr": 3e-3},
              "qk_norm": {"lr": 1e-2, "weight_decay": 0.01}}
   bench = cp.Bench(data, cfg, tmp_path, cp.ARMS, inherit)
-  recs = {a: bench.execute(bench.paired_task(a, 0, 384)) for a in inherit
-          if a != "adamw"}
+  study, runs = bench.study(), bench.finished()
+  recs = {a: bench.execute(study_lib.paired_task(study, runs, a, 0, 384))
+          for a in inherit if a != "adamw"}
   assert all(np.isfinite(r["test_acc"]) for r in recs.values())
   assert recs["muon"]["base"] == inherit["adamw"]
   assert recs["muon"]["hp"] == inherit["muon"]

@@ -286,8 +286,8 @@ def _fake_runs(study, data, loss, arms, done=None):
   while left := [t for t in lm.remaining(study, done, data)
                  if t.stage == "tune" and t.arm in arms]:
     for t in left:
-      v = loss(t.cfg)
-      done[lm.task_name(t, data)] = {"final": {"val_loss_full": v,
+      v = loss(lm.task_config(study, t))
+      done[lm.task_name(study, t, data)] = {"final": {"val_loss_full": v,
                                                "train_loss": v}, "wall_s": 1.0}
   return done
 
@@ -322,8 +322,8 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   non-Q/K AdamW at adamw's choice; the committed runs'
   names (their identity) unchanged; and the time estimate."""
   st, data = lm.STUDY, lm.study_data([])
-  for _, axes in st.grids:
-    for _, vals in axes:
+  for arm in st.arms:
+    for _, vals in arm.axes:
       assert len(vals) == 3
       assert all(2.99 < b / a < 3.34 for a, b in zip(vals, vals[1:]))
   assert len(st.tune_seeds) >= 3 and st.tune_iters == 500
@@ -332,26 +332,30 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   # nothing run: the reference, then adamw's grid; the rest waits on it
   first = lm.plan(st, {}, data)
   assert [t.stage for t in first] == ["reference"] * 4 + ["tune"] * 27
-  assert all(t.cfg == lm.CPU for t in first[:4])
-  assert [lm.task_name(t, data) for t in first[:4]] == [
+  cfg = lambda t: lm.task_config(st, t)
+  name = lambda t: lm.task_name(st, t, data)
+  assert all(cfg(t) == lm.CPU for t in first[:4])
+  assert [name(t) for t in first[:4]] == [
       f"adamw_seed{s}_85bd1ed3" for s in range(4)]   # the committed runs
-  assert "adamw_seed100_a8e4024a" in {lm.task_name(t, data) for t in first}
+  assert "adamw_seed100_a8e4024a" in {name(t) for t in first}
   whole = lm.plan(st, {}, data, assume=True)
   count = lambda stage: sum(t.stage == stage for t in whole)
   assert [count(x) for x in lm.STAGES] == [4, 135, 46, 46]
-  assert all(t.cfg.max_iters == t.cfg.lr_decay_iters == 500
+  assert all(cfg(t).max_iters == cfg(t).lr_decay_iters == 500
              for t in whole if t.stage == "tune")
   # per group (the main arms together, then each other arm): its tuning,
   # its discovery seeds, its confirmation seeds; the main arms first
-  groups = [st.main_arms] + [(a,) for a in st.arms if a not in st.main_arms]
+  main_arms = tuple(a.name for a in st.arms if a.main)
+  assert main_arms == ("adamw", "stiefel")
+  groups = [main_arms] + [(a,) for a in st.names if a not in main_arms]
   for arms in groups:
     at = lambda stage, arms=arms: [i for i, t in enumerate(whole)
                                    if t.arm in arms and t.stage == stage]
     assert max(at("tune")) < min(at("discovery"))
     assert max(at("discovery")) < min(at("confirmation"))
-  main_end = max(i for i, t in enumerate(whole) if t.arm in st.main_arms)
-  assert all(t.arm not in st.main_arms for t in whole[main_end + 1:])
-  for arm in st.arms:
+  main_end = max(i for i, t in enumerate(whole) if t.arm in main_arms)
+  assert all(t.arm not in main_arms for t in whole[main_end + 1:])
+  for arm in st.names:
     paired = sorted(t.seed for t in whole
                     if t.arm == arm and t.stage in ("discovery",
                                                     "confirmation"))
@@ -365,7 +369,9 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
                     - (c.arm == "stiefel") * (c.stiefel_learning_rate
                                               - abs(ll(c.max_step_norm))))
   done = _fake_runs(st, data, loss, ("adamw", "stiefel"))
-  ad, sf = (report_lib.tuning_summary(st, a, lm.tuning_runs(st, a, done, data))
+  runs = lm.finished(st, done, data)
+  ad, sf = (report_lib.tuning_summary(st, a,
+                                      study_lib.tuning_runs(st, runs, a))
             for a in ("adamw", "stiefel"))
   assert ad["widenings"] == 2 and ad["status"] == "finished"
   assert ad["chosen"] == {"learning_rate": 0.0333, "weight_decay": 0.1}
@@ -374,7 +380,7 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   assert sf["chosen"] == {"stiefel_learning_rate": 37.0,
                           "max_step_ratio": 0.0333}
   tuned = [t for t in lm.plan(st, done, data) if t.arm == "stiefel"]
-  assert all(t.cfg.learning_rate == 0.0333 and t.cfg.min_lr == 0.00333
+  assert all(cfg(t).learning_rate == 0.0333 and cfg(t).min_lr == 0.00333
              for t in tuned)
   assert {t.stage for t in lm.remaining(st, done, data)} == {
       "reference", "discovery", "confirmation", "tune"}   # main pairs, then
@@ -385,7 +391,7 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
       ll(c.weight_decay) + 1) ** 2 + (c.arm == "stiefel") * (
           abs(ll(c.stiefel_learning_rate / 0.3))
           + abs(ll(c.max_step_norm / 0.3)))
-  names = {lm.task_name(t, data) for t in lm.plan(
+  names = {name(t) for t in lm.plan(
       st, _fake_runs(st, data, near, ("adamw", "stiefel")), data)}
   committed = {p.stem for p in (lm.REFERENCE_DIR / "runs").glob("*.json")}
   assert {"adamw_seed0_85bd1ed3", "stiefel_seed3_7d17bf48",
@@ -404,8 +410,8 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   whole = lm.remaining(st, {}, data, assume=True)
   probed = lm.estimate(st, {}, data, {}, probed=(0.1, 10.0))
   assert probed["total_seconds"] == pytest.approx(
-      lm.projected_seconds([t.cfg for t in whole], 0.1, 0.0)
-      + 10.0 * len({lm.train_config(t.cfg) for t in whole}))
+      lm.projected_seconds([cfg(t) for t in whole], 0.1, 0.0)
+      + 10.0 * len({lm.train_config(cfg(t)) for t in whole}))
 
 
 def test_default_output_is_git_ignored():

@@ -153,7 +153,7 @@ def test_fixed_choices_are_not_tuned_and_names_deduplicate():
   # a run two stages name is listed once, at the first
   ref = S.Task("reference", "adamw", {}, {}, 0)
   same = lambda t: "adamw" if t.arm == "adamw" else str(key(t))
-  tasks = S.plan(STUDY, finished({}, {}), first=[ref], name=same)
+  tasks = S.plan(STUDY, finished({}, {})._replace(name=same), first=[ref])
   assert tasks[0] == ref and all(t.arm != "adamw" for t in tasks[1:])
 
 
@@ -221,3 +221,54 @@ def test_tuning_grid_is_a_product_widened_past_its_edges():
   interior = {"lr": 3e-3, "weight_decay": 0.05}
   assert S.extend_axes((("lr", (1e-3, 3e-3, 1e-2)),), interior) is None
   assert S.extend_axes((("lr", (1e-3,)),), {"lr": 1e-3}) is None
+
+
+def test_state_reads_the_plan_against_the_finished_runs():
+  named = lambda runs: runs._replace(name=lambda t: str(key(t)))
+  order, runs = run_all(STUDY, {"adamw": 3e-3, "stiefel": 0.3, "own": 2e-3})
+  st = S.state(STUDY, named(runs))
+  assert st["left"] == [] and list(st["planned"].values()) == order
+  t = st["tuning"]["adamw"]
+  assert t["finished"] and t["chosen"] == {"lr": 3e-3} and not t["on_edge"]
+  assert t["base"] == {} and t["widenings"] == 0
+  assert [(p["lr"], sorted(r)) for p, r in t["points"]] == [
+      (1e-3, [100, 101]), (3e-3, [100, 101]), (1e-2, [100, 101])]
+  assert st["tuning"]["stiefel"]["base"] == {"lr": 3e-3}
+  assert st["tuning"]["ablation"] is None and st["tuning"]["frozen"] is None
+  assert st["choices"]["ablation"] == ({"lr": 0.3}, {"lr": 3e-3})
+  # paired runs at the first size, every seed of the arm
+  assert sorted(st["paired"]["stiefel"]) == [0, 1, 500, 501]
+  assert sorted(st["paired"]["own"]) == [0, 500]
+  assert S.paired_task(STUDY, runs, "stiefel", 500, 1000) == S.Task(
+      "confirmation", "stiefel", {"lr": 0.3}, {"lr": 3e-3}, 500, 1000)
+  assert STUDY.own_base("adamw") and STUDY.own_base("own")
+  assert not STUDY.own_base("stiefel")
+  assert S.widening_bound(STUDY, runs) == []        # every grid finished
+  # before any run: adamw's grid is planned, the rest waits on its choice
+  nothing = named(finished({}, {}))
+  st = S.state(STUDY, nothing)
+  assert st["tuning"]["stiefel"] is None and st["paired"]["adamw"] == {}
+  assert st["choices"]["adamw"] is None and len(st["left"]) == 6
+  assert st["tuning"]["adamw"]["points"][0][1] == {}
+  with pytest.raises(RuntimeError, match="stiefel: tuning runs unfinished"):
+    S.paired_task(STUDY, nothing, "stiefel", 0)
+  # each unfinished grid of 3 points could widen 3 times on its one axis:
+  # 3 more points each, counted from a run at its centre (on adamw's)
+  assert [(t.arm, t.point, t.base, t.seed, t.provisional, n)
+          for t, n in S.widening_bound(STUDY, nothing)] == [
+              ("adamw", {"lr": 3e-3}, {}, 100, True, 3),
+              ("stiefel", {"lr": 0.3}, {"lr": 3e-3}, 100, True, 3),
+              ("own", {"lr": 3e-3}, {}, 100, True, 3)]
+
+
+def test_run_study_writes_the_tables_after_each_paired_run():
+  tasks = [S.Task("tune", "a", {}, {}, 100),
+           S.Task("discovery", "a", {}, {}, 0),
+           S.Task("confirmation", "a", {}, {}, 500)]
+  done, reports = [], []
+  made = S.run_study(lambda: [t for t in tasks if t not in done],
+                     lambda t: done.append(t) or {},
+                     on_paired=lambda: reports.append(len(done)), desc="t",
+                     describe=lambda t, _: t.stage, log=lambda _: None,
+                     progress=False)
+  assert made == 3 and done == tasks and reports == [2, 3]

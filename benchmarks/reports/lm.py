@@ -23,8 +23,9 @@ import numpy as np
 
 from benchmarks import harness, stats, study as study_lib
 
-# `benchmarks.lm`'s Study: duck-typed here, since a report never imports its
-# experiment.
+# `benchmarks.lm`'s Study: a `benchmarks.study.Study` with the LM's base
+# configuration, tuning schedule and reference seeds (read by field: a report
+# never imports its experiment).
 Study = Any
 
 SECTION = "## Language model"
@@ -309,7 +310,7 @@ def hp_text(point: Mapping) -> str:
 
 def tuning_summary(study: Study, arm: str, grid: Optional[Mapping]) -> dict:
   """The arm's grid, every point's runs and mean scores, and its choice,
-  from its tuning as the plan reads it (`benchmarks.lm.tuning_runs`; None
+  from its tuning as the plan reads it (`benchmarks.study.tuning_runs`; None
   while it waits on adamw's tuning)."""
   if grid is None:
     return dict(arm=arm, status="waits for adamw's tuning", base=None,
@@ -341,7 +342,7 @@ def comparison_table(study: Study, runs: Mapping, block: str) -> list:
                            if harness.seed_block(s) == block}
   return stats.comparison_rows(
       [dict(treatment=t, baseline=b)
-       for t, b in study_lib.comparison_pairs(study.arms)],
+       for t, b in study_lib.comparison_pairs(study.names)],
       lambda c, role: pick(c[role], "val_loss_full"),
       lambda c, role: pick(c[role], "train_loss"), lower_is_better=True)
 
@@ -350,13 +351,13 @@ def study_summary(study: Study, state: Mapping) -> dict:
   """Everything the study's report says, from the study's state
   (`benchmarks.lm.study_state`: the plan read against the finished runs)."""
   tunings = {a: tuning_summary(study, a, state["tuning"][a])
-             for a in study.arms}
+             for a in study.names}
   runs, ref = state["paired"], state["reference"]
   disc, conf = (comparison_table(study, runs, b)
                 for b in ("discovery", "confirmation"))
   planned, left = state["planned"], state["left"]
   arms = {}
-  for a in study.arms:
+  for a in study.names:
     c = state["choices"][a]
     arms[a] = dict(chosen=None if c is None else c[0],
                    base=None if c is None else c[1],
@@ -387,7 +388,7 @@ def study_setting(study: Study) -> str:
 def grid_density(study: Study) -> str:
   """What the starting grids have in common (fair tuning: the same number
   of points per hyperparameter for every arm)."""
-  sizes = sorted({len(v) for _, axes in study.grids for _, v in axes})
+  sizes = sorted({len(v) for a in study.arms for _, v in a.axes})
   if len(sizes) == 1:
     return (f"every arm's grid starts at {sizes[0]} points per"
             " hyperparameter, half a decade apart")
@@ -447,7 +448,7 @@ def study_markdown(study: Study, s: dict, reference: Mapping,
       " weights of every arm but the AdamW recipes (adamw, qk_norm,"
       " orthogonal_init) train with adamw's chosen lr and weight decay.", ""]
   rows = []
-  for a in study.arms:
+  for a in study.names:
     t = s["tuning"][a]
     grid = ("" if t["axes"] is None else " x ".join(
         f"{AXIS_LABELS.get(n, n)} {{{', '.join(f'{v:g}' for v in vals)}}}"
@@ -459,7 +460,7 @@ def study_markdown(study: Study, s: dict, reference: Mapping,
   lines += harness.markdown_table(
       ["arm", "chosen", "non-Q/K AdamW", "grid", "tuning runs", "status"],
       "llllrl", rows) + [""]
-  for a in study.arms:
+  for a in study.names:
     t = s["tuning"][a]
     if not t["runs"]:
       continue
@@ -477,9 +478,9 @@ def study_markdown(study: Study, s: dict, reference: Mapping,
       f"Paired runs at {study_setting(study)}, each arm at its chosen point"
       " (the same data, batches, evaluation batches and initial weights"
       " outside Q/K per seed). Seeds planned: "
-      + "; ".join(f"{a} {seeds(study.seeds(a))}" for a in study.arms)
+      + "; ".join(f"{a} {seeds(study.seeds(a))}" for a in study.names)
       + ". Done: " + "; ".join(
-          f"{a} {seeds(s['arms'][a]['seeds']) or 'none'}" for a in study.arms)
+          f"{a} {seeds(s['arms'][a]['seeds']) or 'none'}" for a in study.names)
       + ".", "",
       "Each row: treatment - baseline in validation loss over the whole"
       " split (negative favours the treatment), its 95% CI, paired t and p,"
