@@ -459,23 +459,16 @@ def configure(args) -> tuple:
   if args.report_only and (spec := load_spec(out)) is not None:
     return (*spec[:2], out, spec[2])
   cfg = Config(**(QUICK_CONFIG if args.quick else {}))
-  overrides = {k: getattr(args, k) for k in
-               ("p", "log_every", "train_fraction", "op", "d_model",
-                "num_heads", "d_mlp", "num_layers", "learning_rate") if getattr(args, k) is not None}
+  overrides = harness.given(args, (
+      "p", "log_every", "train_fraction", "op", "d_model", "num_heads",
+      "d_mlp", "num_layers", "learning_rate"))
   if args.d_model and not args.d_mlp:
     overrides["d_mlp"] = 4 * args.d_model
   cfg = dataclasses.replace(cfg, **overrides)
   study = dict(quick=QUICK_STUDY, full=FULL_STUDY).get(preset, DEFAULT_STUDY)
   study = dataclasses.replace(
-      study,
-      steps=args.steps if args.steps is not None else study.steps,
-      seeds=args.seeds or study.seeds,
-      long_steps=args.long_steps if args.long_steps is not None
-      else study.long_steps,
-      long_seed=args.long_seed if args.long_seed is not None
-      else study.long_seed,
-      probe_steps=args.probe_steps if args.probe_steps is not None
-      else study.probe_steps)
+      study, seeds=args.seeds or study.seeds, **harness.given(
+          args, ("steps", "long_steps", "long_seed", "probe_steps")))
   for name in ("steps", "long_steps", "probe_steps"):
     n = getattr(study, name)
     if n % cfg.log_every:

@@ -314,6 +314,16 @@ def default_out(*parts: str) -> pathlib.Path:
   return RUNS_ROOT.joinpath(*parts)
 
 
+def given(args: argparse.Namespace, names: Iterable[str]) -> dict:
+  """{name: value} of the options among `names` that the command line set
+  (those not None): what overrides a preset.
+
+  >>> given(argparse.Namespace(steps=0, seed=None), ("steps", "seed"))
+  {'steps': 0}
+  """
+  return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+
+
 def add_common_args(p: argparse.ArgumentParser, *, default_out_dir: str,
                     seeds_default: str, quick_help: str,
                     seeds_help: str = "seeds") -> None:

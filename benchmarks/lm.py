@@ -1034,8 +1034,7 @@ def check_study_args(args) -> None:
   quietly change them."""
   names = ("arms", "seeds", "preset") + tuple(
       f.name for f in dataclasses.fields(Config) if f.name != "arm")
-  given = [f"--{n.replace('_', '-')}" for n in names
-           if getattr(args, n, None) is not None]
+  given = [f"--{n.replace('_', '-')}" for n in harness.given(args, names)]
   if given:
     raise SystemExit(f"--study fixes its arms, seeds and settings (see"
                      f" benchmarks/lm.py STUDY); drop {', '.join(given)}.")
