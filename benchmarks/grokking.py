@@ -231,59 +231,36 @@ def train_run(cfg: Config, arm: str, seed: int, steps: int,
               save_every_s: float = 60.0, command: str = "") -> dict:
   """Trains (arm, seed) to `steps` (a multiple of cfg.log_every), resuming
   from `out`'s saved run of the same identity if there is one (a finished
-  one is returned as it is); returns the run's record."""
+  one is returned as it is; its checkpoint is kept, so that a longer run
+  continues it): `training.train_run`. Returns the run's record."""
   if steps % cfg.log_every:
     raise ValueError(f"steps = {steps} is not a multiple of log_every ="
                      f" {cfg.log_every}.")
-  store = harness.RunStore(out) if out is not None else None
-  name, ident = run_name(arm, seed), run_identity(cfg)
-  saved = store.load(name, ident) if store is not None else None
-  if saved is not None and saved["history"]["step"][-1] >= steps:
-    if progress is not None:
-      progress.update(steps)
-    return saved
-  ckpt = store.path(name, ".npz") if store is not None else None
-  data = make_data(cfg, seed)
-  params = initial_params(cfg, arm, seed)
-  carry = (params, make_optimizer(cfg, arm).init(params))
-  run = dict(arm=arm, seed=seed, config=dataclasses.asdict(cfg),
-             identity=ident, data=data_id(cfg.p, cfg.op),
-             **harness.versions(),
-             machine=harness.machine(), trained_by=[],
-             n_train=int(data.train_x.shape[0]), n_val=int(data.val_x.shape[0]),
-             wall_s=0.0, cpu_s=0.0, history=empty_history())
-  if saved is not None and ckpt.exists():
-    run = saved
-    carry = training.load_carry(ckpt, carry)
-  hist = run["history"]
-  if not hist["step"]:
-    record(hist, 0, measure_fn(cfg)(carry[0], data), None)
-  done = hist["step"][-1]
-  run.setdefault("trained_by", []).append(dict(
-      command=command, started_utc=harness.now_utc(), from_step=done,
-      loadavg_start=harness.load_average(), code_hash=harness.code_hash()))
-  if progress is not None:
-    progress.update(min(done, steps))
-  chunk, measure = chunk_fn(cfg, arm), measure_fn(cfg)
-  t0, last_save, c0 = time.time(), time.time(), time.process_time()
-  while done < steps:
+  data, measure = make_data(cfg, seed), measure_fn(cfg)
+  chunk = chunk_fn(cfg, arm)
+
+  def start():
+    params = initial_params(cfg, arm, seed)
+    run = dict(arm=arm, seed=seed, config=dataclasses.asdict(cfg),
+               identity=run_identity(cfg), data=data_id(cfg.p, cfg.op),
+               **harness.versions(),
+               machine=harness.machine(), trained_by=[],
+               n_train=int(data.train_x.shape[0]),
+               n_val=int(data.val_x.shape[0]),
+               wall_s=0.0, cpu_s=0.0, history=empty_history())
+    return run, (params, make_optimizer(cfg, arm).init(params))
+
+  def advance(carry, _):   # full batch: the step number is not read
     carry, _, move = chunk(carry, None, data.train_x, data.train_y)
-    done += cfg.log_every
-    record(hist, done, measure(carry[0], data), move)
-    if progress is not None:
-      progress.update(cfg.log_every)
-    if store is not None and (time.time() - last_save > save_every_s
-                              or done >= steps):
-      run["wall_s"] += time.time() - t0
-      run["cpu_s"] = run.get("cpu_s", 0.0) + time.process_time() - c0
-      t0 = last_save = time.time()
-      c0 = time.process_time()
-      training.save_carry(ckpt, carry)
-      store.save(name, run)
-  if store is None:   # saved runs were timed at their last save
-    run["wall_s"] += time.time() - t0
-    run["cpu_s"] = run.get("cpu_s", 0.0) + time.process_time() - c0
-  return run
+    return carry, move
+
+  return training.train_run(
+      harness.RunStore(out) if out is not None else None,
+      run_name(arm, seed), run_identity(cfg), start=start, chunk=advance,
+      record=lambda run, carry, it, move, _: record(
+          run["history"], it, measure(carry[0], data), move),
+      every=cfg.log_every, stop=steps, progress=progress, command=command,
+      save_every_s=save_every_s)
 
 
 def load_run(cfg: Config, arm: str, seed: int, out: Path,

@@ -1,6 +1,7 @@
-"""The one training loop every benchmark runs, its checkpoint, the one
-evaluation of a classifier's logits and the one Muon baseline of the
-attention benchmarks (`per_head_muon`).
+"""The one training loop every benchmark runs (`train_chunk`), the one
+resumable, checkpointed run around it (`train_run`: grokking's and the
+LM's), the one evaluation of a classifier's logits and the one Muon
+baseline of the attention benchmarks (`per_head_muon`).
 
 A chunk is `k` optimizer steps in one `lax.scan`: per step
 
@@ -16,6 +17,13 @@ what `x_i` is (CIFAR: an index batch; the LM: an iteration number whose
 batch is drawn from a key; grokking: nothing, full batch) and how often
 they evaluate between chunks.
 
+A run (`train_run`) is such chunks to a given step, an evaluation recorded
+at 0 and after each chunk, the record saved with a checkpoint of the carry
+every minute, so that a stopped run resumes where its last save left it
+and computes the same numbers; an experiment supplies its start, chunk,
+evaluation and final results (grokking: none, so that a longer run
+continues a finished one; the LM: the whole-split loss).
+
 >>> import jax.numpy as jnp, optax
 >>> chunk = train_chunk(lambda p, x: jnp.sum((p - x) ** 2), optax.sgd(0.25),
 ...                     lambda x: (x,))
@@ -29,7 +37,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Callable, Optional
+import time
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -117,3 +126,106 @@ def load_carry(path: os.PathLike, like):
   with np.load(path) as f:
     leaves = [jax.numpy.asarray(f[f"arr_{i}"]) for i in range(len(f.files))]
   return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+# --------------------------------------------------------------------------
+# One run, saved and resumable.
+
+
+def train_run(store: Optional[harness.RunStore], name: str, ident: str, *,
+              start: Callable[[], tuple], chunk: Callable, record: Callable,
+              every: int, stop: int, finish: Optional[Callable] = None,
+              progress: Any = None, command: str = "",
+              save_every_s: float = 60.0) -> dict:
+  """Trains a run to step `stop` in chunks of `every` steps, saved in
+  `store` (None: not saved) as `name` and resumed from its saved record and
+  checkpoint of the same identity `ident`; returns the run's record.
+
+  The experiment supplies its pieces:
+    start() -> (record, carry): a fresh record (its identity `ident`,
+      wall_s 0, its `history` lists empty) and the initial carry (the
+      structure a checkpoint is read into);
+    chunk(carry, step) -> (carry, out): `every` steps from `step`;
+    record(run, carry, step, out, wall_s): appends the evaluation at `step`
+      to run["history"] (out: the chunk's output, None at step 0; wall_s:
+      the run's wall seconds so far);
+    finish(run, carry) -> dict: the final results, set as run["final"] at
+      the end (the checkpoint is then deleted); without it the run ends at
+      `stop` with its checkpoint, so that a later call can continue it.
+  A saved run already at `stop` (with its final results, if `finish`) is
+  returned as it is. The record is saved, with a checkpoint of the carry,
+  every `save_every_s` seconds and at the end; `trained_by` gets an entry
+  per call (command, start time, step, load, code hash), wall_s and cpu_s
+  add up over the calls. progress: a tqdm-like bar counting steps.
+
+  >>> import tempfile, jax.numpy as jnp, optax
+  >>> tx = optax.sgd(0.25)
+  >>> step = jax.jit(train_chunk(lambda p: jnp.sum((p - 1.0) ** 2), tx,
+  ...                            lambda _: (), length=2))
+  >>> def start():
+  ...   p = jnp.zeros(2)
+  ...   run = dict(identity="v1", wall_s=0.0, history=dict(step=[], p=[]))
+  ...   return run, (p, tx.init(p))
+  >>> def record(run, carry, it, out, wall_s):
+  ...   run["history"]["step"].append(it)
+  ...   run["history"]["p"].append(float(carry[0][0]))
+  >>> kw = dict(start=start, chunk=lambda c, it: step(c, None)[:2],
+  ...           record=record, every=2)
+  >>> store = harness.RunStore(tempfile.mkdtemp())
+  >>> run = train_run(store, "toy", "v1", stop=2, **kw)
+  >>> run = train_run(store, "toy", "v1", stop=4, **kw)   # continued
+  >>> run["history"], len(run["trained_by"])
+  ({'step': [0, 2, 4], 'p': [0.0, 0.75, 0.9375]}, 2)
+  """
+  saved = store.load(name, ident) if store is not None else None
+  if saved is not None and saved["history"]["step"][-1] >= stop and (
+      finish is None or saved.get("final") is not None):
+    if progress is not None:
+      progress.update(stop)
+    return saved
+  ckpt = store.path(name, ".npz") if store is not None else None
+  run, carry = start()
+  if saved is not None and ckpt.exists():
+    run, carry = saved, load_carry(ckpt, carry)
+  hist = run["history"]
+  t0, c0, last_save = time.time(), time.process_time(), time.time()
+  wall = lambda: run["wall_s"] + time.time() - t0
+
+  def timing():   # adds the time since the last call to the record's
+    nonlocal t0, c0
+    run["wall_s"] += time.time() - t0
+    run["cpu_s"] = run.get("cpu_s", 0.0) + time.process_time() - c0
+    t0, c0 = time.time(), time.process_time()
+
+  if not hist["step"]:
+    record(run, carry, 0, None, wall())
+  done = hist["step"][-1]
+  run.setdefault("trained_by", []).append(dict(
+      command=command, started_utc=harness.now_utc(), from_step=done,
+      loadavg_start=harness.load_average(), code_hash=harness.code_hash()))
+  if progress is not None:
+    progress.update(min(done, stop))
+  while done < stop:
+    carry, out = chunk(carry, done)
+    done += every
+    record(run, carry, done, out, wall())
+    if progress is not None:
+      progress.update(every)
+    if store is not None and (time.time() - last_save > save_every_s
+                              or done >= stop):
+      timing()
+      last_save = time.time()
+      if done < stop or finish is None:   # a finished run saves below
+        save_carry(ckpt, carry)
+        store.save(name, run)
+  if finish is not None:
+    final = finish(run, carry)
+    timing()
+    run["final"] = final
+    if store is not None:
+      store.save(name, run)
+      if ckpt.exists():
+        ckpt.unlink()
+  elif store is None:   # saved runs were timed at their last save
+    timing()
+  return run
