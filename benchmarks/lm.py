@@ -119,7 +119,6 @@ run in the folder; a study's report from its plan read against those runs
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -153,9 +152,6 @@ ARM_FIELDS = {"stiefel": ("stiefel_learning_rate", "max_step_norm"),
               "rsgd": ("rsgd_learning_rate",),
               "stiefel_muon": ("stiefel_muon_learning_rate",),
               "muon": ("muon_learning_rate",)}
-# Passed to jax.jit of the training and evaluation functions (tests set
-# {"xla_backend_optimization_level": 0}: toy sizes compile faster).
-COMPILER_OPTIONS: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,8 +411,7 @@ def chunk_fn(cfg: Config, vocab_size: int):
                            batch_key, drop_key)
     return carry, loss
 
-  return jax.jit(chunk, donate_argnums=0,
-                 compiler_options=COMPILER_OPTIONS or None)
+  return training.jit(chunk, donate_argnums=0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -440,7 +435,7 @@ def estimate_fn(cfg: Config, vocab_size: int):
                 qk_iso=jnp.mean(jnp.concatenate(
                     [e.ravel() for e in iso.values()])))
 
-  return jax.jit(estimate, compiler_options=COMPILER_OPTIONS or None)
+  return training.jit(estimate)
 
 
 @functools.lru_cache(maxsize=None)
@@ -469,7 +464,7 @@ def full_loss_fn(cfg: Config, vocab_size: int, batch: int = 64):
     shape = lambda a: a.reshape((-1, batch) + a.shape[1:])
     return jax.lax.map(one, (shape(x), shape(y), shape(w))).sum() / n
 
-  return jax.jit(full, compiler_options=COMPILER_OPTIONS or None)
+  return training.jit(full)
 
 
 # --------------------------------------------------------------------------
@@ -1014,20 +1009,6 @@ def check_study_args(args) -> None:
                      f" benchmarks/lm.py STUDY); drop {', '.join(given)}.")
 
 
-@contextlib.contextmanager
-def toy_compiler(enabled: bool):
-  """With `enabled` (--quick), compile without LLVM's optimisation: at toy
-  sizes that is most of the compile time. The options are restored after."""
-  global COMPILER_OPTIONS
-  saved = COMPILER_OPTIONS
-  if enabled:
-    COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, **saved}
-  try:
-    yield
-  finally:
-    COMPILER_OPTIONS = saved
-
-
 def train_sweep(args, argv, corpus: Corpus, out: pathlib.Path, log) -> bool:
   """The configurations and seeds the options ask for (seed-major); False
   if --dry-run stopped after the probe."""
@@ -1112,7 +1093,7 @@ def main(argv=None) -> dict:
                      else harness.default_out(folder))
   if args.note:
     harness.write_text(out / "notes.md", args.note.strip() + "\n")
-  with toy_compiler(args.quick):
+  with training.toy_compiler(args.quick):
     if not args.report_only:
       corpus = load_corpus(str(args.data or default_data()))
       if study is None:

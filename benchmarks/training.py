@@ -22,7 +22,8 @@ at 0 and after each chunk, the record saved with a checkpoint of the carry
 every minute, so that a stopped run resumes where its last save left it
 and computes the same numbers; an experiment supplies its start, chunk,
 evaluation and final results (grokking: none, so that a longer run
-continues a finished one; the LM: the whole-split loss).
+continues a finished one; the LM: the whole-split loss). `jit` and
+`toy_compiler` set the compiler options of the jitted pieces.
 
 >>> import jax.numpy as jnp, optax
 >>> chunk = train_chunk(lambda p, x: jnp.sum((p - x) ** 2), optax.sgd(0.25),
@@ -35,6 +36,7 @@ continues a finished one; the LM: the whole-split loss).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import time
@@ -46,6 +48,40 @@ import numpy as np
 import optax
 
 from benchmarks import harness
+
+
+# Options for the compiler of every function built by `jit` (`toy_compiler`
+# sets them for toy sizes, as tests do); {}: compiled as jax.jit does.
+COMPILER_OPTIONS: dict = {}
+
+
+def jit(fn: Callable, **kwargs) -> Callable:
+  """jax.jit(fn, **kwargs) under COMPILER_OPTIONS as they are when it is
+  built (the experiments cache what it returns: set them first)."""
+  return jax.jit(fn, compiler_options=COMPILER_OPTIONS or None, **kwargs)
+
+
+@contextlib.contextmanager
+def toy_compiler(enabled: bool):
+  """With `enabled` (a --quick run), `jit` compiles without LLVM's
+  optimisation: at toy sizes that is most of the compile time. The options
+  are restored after.
+
+  >>> from benchmarks import training
+  >>> with toy_compiler(True):
+  ...   training.COMPILER_OPTIONS
+  {'xla_backend_optimization_level': 0}
+  >>> training.COMPILER_OPTIONS
+  {}
+  """
+  global COMPILER_OPTIONS
+  saved = COMPILER_OPTIONS
+  if enabled:
+    COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, **saved}
+  try:
+    yield
+  finally:
+    COMPILER_OPTIONS = saved
 
 
 def train_chunk(loss_fn: Callable, tx: optax.GradientTransformation,

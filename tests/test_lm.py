@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import stiefel_optax as so
-from benchmarks import harness, lm, stats, study as study_lib
+from benchmarks import harness, lm, stats, study as study_lib, training
 from benchmarks.reports import lm as report_lib
 
 # The quick study's toy model: the unit tests and the study share its
@@ -168,7 +168,7 @@ def test_muon_arm_is_optax_muon_on_each_head():
 def fast_compile(monkeypatch):
   """Toy sizes: skip LLVM's optimisation (most of the compile time)."""
   caches = (lm.chunk_fn, lm.estimate_fn, lm.full_loss_fn)
-  monkeypatch.setattr(lm, "COMPILER_OPTIONS",
+  monkeypatch.setattr(training, "COMPILER_OPTIONS",
                       {"xla_backend_optimization_level": 0})
   for c in caches:
     c.cache_clear()
