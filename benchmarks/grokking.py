@@ -345,7 +345,6 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
     bar = tqdm(total=sum(j[2] for j in jobs), unit="step", desc="grokking",
                mininterval=5.0)
   runs = {arm: {} for arm in study.arms + (PROBE_ARM,)}
-  left = list(jobs)
   spent = [0.0, 0]   # seconds and steps trained so far (resumed ones not)
 
   def execute(job):
@@ -357,7 +356,6 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
                                 command=command)
     spent[0] += time.time() - t0
     spent[1] += todo
-    left.remove(job)
     return runs[arm][seed]
 
   def expected_s(job) -> Optional[float]:
@@ -365,10 +363,10 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
             else None)
 
   # The shared runner; the bar counts steps here (a run's length varies).
-  study_lib.run_tasks(lambda: left, execute, desc="grokking",
-                      describe=lambda job, _: f"{job[0]} seed {job[1]}:"
-                      f" step {job[2]}", log=lambda _: None, progress=False,
-                      expected_s=expected_s, time_budget=time_budget)
+  left = study_lib.run_list(
+      jobs, execute, desc="grokking", describe=lambda job, _: f"{job[0]}"
+      f" seed {job[1]}: step {job[2]}", log=lambda _: None, progress=False,
+      expected_s=expected_s, time_budget=time_budget)
   if bar is not None:
     bar.close()
   if left:   # stopped by the time budget: say so (the bar does not)

@@ -1024,7 +1024,6 @@ def train_sweep(args, argv, corpus: Corpus, out: pathlib.Path, log) -> bool:
     if args.dry_run:
       return False
   command = harness.command_line("benchmarks.lm", argv)
-  left = list(seeds)   # train_run reuses the finished runs
   per_seed = []
 
   def execute(seed: int) -> dict:   # seed-major: a stop leaves whole pairs
@@ -1035,15 +1034,15 @@ def train_sweep(args, argv, corpus: Corpus, out: pathlib.Path, log) -> bool:
       log(f"{rec['name']}: train {f['train_loss']:.4f}, val"
           f" {f['val_loss']:.4f}, val (whole split) {f['val_loss_full']:.4f},"
           f" {rec['wall_s']:.0f} s")
-    left.remove(seed)
     per_seed.append(time.time() - ts)
     return {}
 
   # A seed's runs take as long as the slowest seed so far, with a margin.
-  study_lib.run_tasks(lambda: left, execute, desc="lm",
-                      describe=lambda seed, _: f"seed {seed} done",
-                      expected_s=lambda _: 1.1 * max(per_seed, default=0.0),
-                      time_budget=args.time_budget, log=log, progress=False)
+  # (train_run reuses the finished runs.)
+  study_lib.run_list(seeds, execute, desc="lm",
+                     describe=lambda seed, _: f"seed {seed} done",
+                     expected_s=lambda _: 1.1 * max(per_seed, default=0.0),
+                     time_budget=args.time_budget, log=log, progress=False)
   return True
 
 

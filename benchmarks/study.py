@@ -33,7 +33,8 @@ CIFAR and the language-model benchmarks:
 - **Runner.** `run_tasks` runs the first unfinished run of a plan, then
   asks for the plan again, until nothing is left or a time budget would
   be overrun; `run_study` also calls back after each paired run (the
-  tables so far).
+  tables so far); `run_list` runs a fixed list (grokking's jobs, the LM's
+  seeds).
 """
 
 from __future__ import annotations
@@ -529,6 +530,28 @@ def run_study(remaining: Callable[[], Sequence], execute: Callable, *,
   return run_tasks(remaining, execute, after=after, **kwargs)
 
 
+def run_list(tasks: Sequence, execute: Callable, **kwargs) -> list:
+  """`run_tasks` of a fixed list of tasks (no plan to ask again: each runs
+  once, in order); returns those a time budget left (none when all ran).
+  kwargs: `run_tasks`'s.
+
+  >>> run_list([1, 2], lambda t: {}, desc="x", describe=lambda t, _: f"{t}",
+  ...          progress=False)
+  [1 planned left] 1
+  [0 planned left] 2
+  []
+  """
+  left = list(tasks)
+
+  def execute_one(task):
+    rec = execute(task)
+    left.remove(task)
+    return rec
+
+  run_tasks(lambda: left, execute_one, **kwargs)
+  return left
+
+
 def run_tasks(remaining: Callable[[], Sequence], execute: Callable, *,
               desc: str, describe: Callable, after: Optional[Callable] = None,
               expected_s: Optional[Callable] = None, time_budget: float = 0.0,
@@ -558,11 +581,11 @@ def run_tasks(remaining: Callable[[], Sequence], execute: Callable, *,
       log(f"time budget {time_budget:.0f} s: stopping with {len(left)}"
           f" planned run(s) left (the next expected to take {expect:.0f} s)")
       break
-    ts = time.time()
+    ts, after_this = time.time(), len(left) - 1   # before execute changes it
     rec = execute(task)
     longest = max(longest, time.time() - ts)
     made += 1
-    line = f"[{len(left) - 1} planned left] {describe(task, rec)}"
+    line = f"[{after_this} planned left] {describe(task, rec)}"
     if bar is not None:
       bar.write(line)
       bar.update(1)

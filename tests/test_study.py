@@ -180,6 +180,22 @@ def test_runner_follows_a_plan_that_grows_and_reports_each_run():
                    "[0 planned left] c=3"]
 
 
+def test_run_list_runs_each_task_once_and_returns_what_a_budget_left(
+    monkeypatch):
+  done, lines = [], []
+  assert S.run_list(["a", "b"], lambda t: done.append(t) or {}, desc="t",
+                    describe=lambda t, _: t, log=lines.append,
+                    progress=False) == []
+  assert done == ["a", "b"]
+  assert lines == ["[1 planned left] a", "[0 planned left] b"]
+  clock = itertools.count(0.0, 10.0)          # each call: 10 s later
+  monkeypatch.setattr(S.time, "time", lambda: next(clock))
+  assert S.run_list(range(5), lambda t: {}, desc="t",
+                    describe=lambda t, _: "", expected_s=lambda t: 100.0,
+                    time_budget=120.0, log=lines.append,
+                    progress=False) == [1, 2, 3, 4]
+
+
 def test_runner_stops_before_a_run_past_its_time_budget(monkeypatch):
   clock = itertools.count(0.0, 10.0)          # each call: 10 s later
   monkeypatch.setattr(S.time, "time", lambda: next(clock))
