@@ -319,6 +319,15 @@ def run_name(task: Task) -> str:
 GROUPS = ("main", "competitor", "baseline", "ablation", "eps")
 
 
+def families(registry: dict) -> list:
+  """The report's families of comparisons, one per group of arms (GROUPS),
+  fixed here before any run: each its own table, Holm correction and
+  confirmation stage, so that arms added later never change the main
+  arms' findings."""
+  return [(g, [a for a in registry if registry[a].group == g])
+          for g in GROUPS if any(registry[a].group == g for a in registry)]
+
+
 def study_arms(registry: dict) -> tuple:
   """The registry's arms as the study plans them, in run order (GROUPS)."""
   return tuple(study_lib.Arm(a.name, a.grid, a.tune_from, a.own_base,
@@ -598,16 +607,16 @@ def main(argv=None) -> dict:
     study_lib.run_study(   # the plan asked anew after each run
         lambda: study_lib.remaining(study, runs), bench.execute,
         on_paired=lambda: report_lib.report(   # the tables so far
-            out, list(ARMS), data.source, cfg.to_dict(), plots=False),
+            out, families(ARMS), data.source, cfg.to_dict(), plots=False),
         desc="cifar", describe=describe, expected_s=bench.expected_s,
         time_budget=args.time_budget)
     print(f"sweep wall time {time.time() - t0:.0f}s", flush=True)
   # --report-only reports the folder's runs under their own configuration
   # (a reference folder holds one: the tiny protocol's, the main one's).
-  summary = report_lib.report(out, list(ARMS), data.source,
+  summary = report_lib.report(out, families(ARMS), data.source,
                               None if args.report_only else cfg.to_dict())
   if args.results_md:
-    report_lib.write_section(args.results_md, summary, out, list(ARMS),
+    report_lib.write_section(args.results_md, summary, out, families(ARMS),
                              data.source)
   print(f"results: {out}")
   return summary

@@ -397,6 +397,38 @@ def test_findings_need_confirmation_on_fresh_seeds():
   assert harness.seed_block(500) == "confirmation"
 
 
+def test_each_family_has_its_own_holm_and_confirmation():
+  # The main arms on discovery and confirmation seeds; then an ablation
+  # joins on discovery seeds only: the main family's table, Holm p-values
+  # and findings stay as they were, and the ablation's claims wait.
+  rng = np.random.default_rng(0)
+  gains = {"adamw": 0.0, "stiefel": 0.03, "rsgd": 0.031, "no_cap": 0.02}
+  noise = {s: 0.005 * rng.standard_normal(4) for s in (0, 1, 2, 3, 500, 501, 502, 503)}
+  def runs(arms, seeds):
+    return [{"kind": "run", "arm": a, "n": 100, "seed": s, "train_loss": [1.0],
+             "test_acc": 0.5 + gains[a] + noise[s][i]}
+            for s in seeds for i, a in enumerate(arms)]
+  main = [("main", ["adamw", "stiefel", "rsgd"])]
+  recs = runs(["adamw", "stiefel", "rsgd"], noise)
+  fams = main + [("ablation", ["no_cap"])]
+  more = recs + runs(["no_cap"], (0, 1, 2, 3))
+  before = cifar_report.family_tables(recs, main)
+  after = cifar_report.family_tables(more, fams)
+  assert [(r["treatment"], r["baseline"]) for r in before] == [
+      ("stiefel", "adamw"), ("rsgd", "adamw"), ("stiefel", "rsgd")]
+  assert after[:3] == before and {r["family"] for r in after[3:]} == {"ablation"}
+  assert [(r["treatment"], r["baseline"]) for r in after[3:]] == [
+      ("no_cap", "adamw"), ("stiefel", "no_cap")]
+  summary = dict(seeds=dict(discovery="0-3", confirmation="500-503"),
+                 comparisons=after,
+                 confirmation=cifar_report.family_tables(more, fams, "confirmation"))
+  text = cifar_report.claims_text(summary)
+  main_text, ablation_text = text.split("Family `ablation`")
+  assert "2 of 3 comparisons confirmed" in main_text
+  assert "No confirmation runs" in ablation_text and "confirmed" not in ablation_text
+  assert cifar_report.as_families(["adamw", "stiefel"]) == [(None, ["adamw", "stiefel"])]
+
+
 def test_seeds_identity_and_run_store(tmp_path):
   assert harness.parse_seeds("0-11") == tuple(range(12))
   assert harness.parse_seeds("500,501,502") == (500, 501, 502)

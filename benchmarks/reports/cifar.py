@@ -76,14 +76,56 @@ def compare(recs, treatment: str, baseline: str, n: int,
 COMPARISON_KEY = ("treatment", "baseline", "size")
 
 
+def family_pairs(arms: Sequence[str]) -> list:
+  """The comparisons of a family of arms: of `study_lib.comparison_pairs`
+  over adamw, stiefel and the family's arms (each against adamw, then
+  stiefel against each other), those that involve an arm of the family.
+
+  >>> family_pairs(["adamw", "stiefel", "rsgd"])
+  [('stiefel', 'adamw'), ('rsgd', 'adamw'), ('stiefel', 'rsgd')]
+  >>> family_pairs(["no_cap"])
+  [('no_cap', 'adamw'), ('stiefel', 'no_cap')]
+  """
+  every = list(dict.fromkeys(["adamw", "stiefel", *arms]))
+  return [p for p in study_lib.comparison_pairs(every) if set(p) & set(arms)]
+
+
 def comparisons(recs, arms: Sequence[str], block: str = "discovery") -> list:
-  """At every n, each of `arms` (in their order) against adamw, then
-  stiefel against each other arm (`study_lib.comparison_pairs`), where
-  both ran; Holm-adjusted across them."""
+  """A family's table: at every n, its comparisons (`family_pairs`) where
+  both arms ran, Holm-adjusted across them."""
   sizes = sorted({r["n"] for r in recs if r["kind"] == "run"})
   return comparison_rows(
       recs, [dict(treatment=t, baseline=b, size=n) for n in sizes
-             for t, b in study_lib.comparison_pairs(list(arms))], block)
+             for t, b in family_pairs(list(arms))], block)
+
+
+def as_families(arms) -> list:
+  """[(family name, arms)]: `arms` given as (name, arms) pairs, or as a
+  flat list of names (one family, named None)."""
+  if arms and all(isinstance(a, str) for a in arms):
+    return [(None, list(arms))]
+  return [(name, list(a)) for name, a in arms]
+
+
+def all_arms(arms) -> list:
+  """Every arm of the families, in order."""
+  return [a for _, f in as_families(arms) for a in f]
+
+
+def family_tables(recs, arms, block: str = "discovery") -> list:
+  """Every family's table (`comparisons`: Holm within the family), its
+  rows marked with the family's name, one list: the claims policy's unit
+  is a family, fixed before any run (the study's groups of arms)."""
+  return [dict(r, family=name) for name, f in as_families(arms)
+          for r in comparisons(recs, f, block)]
+
+
+def by_family(rows) -> dict:
+  """{family name: its rows}, in the rows' order."""
+  out = {}
+  for r in rows:
+    out.setdefault(r.get("family"), []).append(r)
+  return out
 
 
 def chosen_table(recs) -> dict:
@@ -99,6 +141,20 @@ def chosen_table(recs) -> dict:
 
 def markdown_table(rows) -> str:
   return "\n".join(harness.comparison_lines(rows, "acc %", size="n"))
+
+
+def family_title(name: Optional[str], rows) -> str:
+  arms = sorted({a for r in rows for a in (r["treatment"], r["baseline"])})
+  return f"Family `{name}` ({', '.join(arms)}; Holm across its rows)"
+
+
+def family_markdown(rows, level: str = "####") -> str:
+  """The table of each family under its title (one family: the table)."""
+  fams = by_family(rows)
+  if len(fams) <= 1:
+    return markdown_table(rows)
+  return "\n\n".join(f"{level} {family_title(name, r)}\n\n{markdown_table(r)}"
+                     for name, r in fams.items())
 
 
 # The paper's Stiefel - AdamW gains (pp) by training-set size.
@@ -167,8 +223,9 @@ def frame_summary(runs, key: str) -> dict:
 def report(out: pathlib.Path, arms: Sequence[str], data: Optional[str] = None,
            config: Optional[dict] = None, plots: bool = True) -> dict:
   """Writes summary.json, table.md and (plots) the PNGs from the finished
-  runs (those of `collect(out, data, config)`), the arms' tables and
-  curves in the order of `arms`; returns the summary."""
+  runs (those of `collect(out, data, config)`): a table per family of
+  `arms` ((name, arms) pairs, or a flat list: one family, `as_families`)
+  and the curves in that order; returns the summary."""
   recs = collect(out, data, config)
   configs = {json.dumps(r["config"], sort_keys=True) for r in recs}
   if len(configs) > 1:
@@ -177,7 +234,7 @@ def report(out: pathlib.Path, arms: Sequence[str], data: Optional[str] = None,
         " a report covers one. Move the others to their own folder, or run"
         " without --report-only to report the current configuration's runs:"
         f" {sorted(configs)}")
-  rows = comparisons(recs, arms)
+  rows = family_tables(recs, arms)
   runs = [r for r in recs if r["kind"] == "run"]
   blocks = {}
   for r in runs:
@@ -185,7 +242,7 @@ def report(out: pathlib.Path, arms: Sequence[str], data: Optional[str] = None,
   summary = {
       "comparisons": rows, "paper_rows": paper_comparisons(recs),
       "paper_rows_confirmation": paper_comparisons(recs, "confirmation"),
-      "confirmation": comparisons(recs, arms, "confirmation"),
+      "confirmation": family_tables(recs, arms, "confirmation"),
       "seeds": {b: harness.format_seeds(s) for b, s in sorted(blocks.items())},
       "tuning": chosen_table(recs),
       "chosen": {r["arm"]: r["hp"] for r in runs},
@@ -202,10 +259,11 @@ def report(out: pathlib.Path, arms: Sequence[str], data: Optional[str] = None,
       "machine": sorted({harness.machine_line(r["machine"]) for r in recs}),
   }
   harness.write_json(out / "summary.json", summary, indent=1)
-  harness.write_text(out / "table.md", markdown_table(rows) + "\n")
+  harness.write_text(out / "table.md", family_markdown(rows) + "\n")
   if runs and plots:
     plot_gain_vs_n(rows, out / "gain_vs_n.png")
-    plot_curves(recs, max(r["n"] for r in runs), arms, out / "curves.png")
+    plot_curves(recs, max(r["n"] for r in runs), all_arms(arms),
+                out / "curves.png")
   return summary
 
 
@@ -292,39 +350,53 @@ def supplementary_text(out: pathlib.Path, arms: Sequence[str],
         f"#### Supplementary `{sub.name}`\n\nConfiguration: `{json.dumps(sm['config'])}`;"
         f" hyperparameters from {', '.join(src)} (not re-tuned); chosen"
         f" {json.dumps(sm['chosen'])}; {sm['runs']} runs,"
-        f" {sm['run_wall_s'] / 60:.1f} min.\n\n{markdown_table(sm['comparisons'])}\n")
+        f" {sm['run_wall_s'] / 60:.1f} min.\n\n{family_markdown(sm['comparisons'], '#####')}\n")
   return "\n".join(parts)
 
 
+def family_claims(disc: list, conf: list) -> tuple:
+  """(status line, lines that follow) of one family under the claims
+  policy: no confirmation runs; an unfinished confirmation stage (an
+  interim table, not a test); or the confirmed comparisons."""
+  if not conf:
+    return ("No confirmation runs are in this folder yet, so none of these"
+            " comparisons is a finding yet.", [])
+  if not stats.confirmation_complete(disc, conf, COMPARISON_KEY):
+    return ("The confirmation stage is unfinished (not every comparison of"
+            " the discovery table has as many confirmation seeds yet), so"
+            " none of these comparisons is a finding yet. The interim"
+            " confirmation table below is not a test: its seeds and its Holm"
+            " family are partial.",
+            ["", "Confirmation runs so far (interim):", "",
+             markdown_table(conf)])
+  found = stats.confirmed(disc, conf, COMPARISON_KEY)
+  return (f"{len(found)} of {len(conf)} comparisons confirmed (Holm p < 0.05"
+          " on the confirmation seeds, same sign as on discovery):",
+          [f"- {harness.finding_text(r, 'pp', size='n')}" for r in found]
+          + ["", "Confirmation runs, all comparisons:", "",
+             markdown_table(conf)])
+
+
 def claims_text(summary: dict) -> str:
-  """Which comparisons are findings under the claims policy."""
+  """Which comparisons are findings under the claims policy, family by
+  family (each family its own Holm correction and confirmation stage)."""
   seeds = summary.get("seeds", {})
   head = (f"**Claims status** (generated; see the claims policy). The tables"
           f" below are on the discovery seeds"
           f" ({seeds.get('discovery', 'none')}), with p-values Holm-adjusted"
           " across each table.")
-  conf = summary.get("confirmation", [])
-  if not conf:
-    return (head + " No confirmation runs (seeds"
-            f" {harness.format_seeds(harness.CONFIRMATION_SEEDS)}) are in this"
-            " folder, so none of these comparisons is a finding yet.")
-  disc = summary["comparisons"]
-  if not stats.confirmation_complete(disc, conf, COMPARISON_KEY):
-    lines = [head + f" Confirmation seeds run so far: {seeds.get('confirmation')};"
-             " the confirmation stage is unfinished (not every comparison of"
-             " the discovery table has as many confirmation seeds yet), so"
-             " none of these comparisons is a finding yet. The interim"
-             " confirmation table below is not a test: its seeds and its Holm"
-             " family are partial."]
-    lines += ["", "Confirmation runs so far (interim):", "",
-              markdown_table(conf)]
-    return "\n".join(lines)
-  found = stats.confirmed(disc, conf, COMPARISON_KEY)
-  lines = [head + f" Confirmation seeds run: {seeds.get('confirmation')};"
-           f" {len(found)} of {len(conf)} comparisons confirmed (Holm p < 0.05"
-           " on the confirmation seeds, same sign as on discovery):"]
-  lines += [f"- {harness.finding_text(r, 'pp', size='n')}" for r in found]
-  lines += ["", "Confirmation runs, all comparisons:", "", markdown_table(conf)]
+  if "confirmation" in seeds:
+    head += f" Confirmation seeds run: {seeds['confirmation']}."
+  disc, conf = by_family(summary["comparisons"]), by_family(
+      summary.get("confirmation", []))
+  lines = [head]
+  for name, rows in disc.items():
+    status, rest = family_claims(rows, conf.get(name, []))
+    if name is not None:
+      lines += ["", f"{family_title(name, rows)}: {status}"]
+    else:
+      lines[0] += " " + status
+    lines += rest
   return "\n".join(lines)
 
 
@@ -366,7 +438,7 @@ tuning runs ({summary["tuning_wall_s"] / 60:.1f} min).
 
 ### All paired comparisons (test accuracy, pp)
 
-{markdown_table(summary["comparisons"])}
+{family_markdown(summary["comparisons"])}
 
 Validation accuracy of each tuning point (mean over the tuning seeds
 {harness.format_seeds(cfg.get("tune_seeds", [cfg.get("tune_seed")]))} that have
