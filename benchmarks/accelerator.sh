@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU-scale checks in one script, within 8 minutes on one GPU:
-#   (a) the update and training-step speed of stiefel_attention (per leaf
-#       and with stack_frames=True) against optax.adamw on GPT-2-small
+#   (a) the update and training-step speed of stiefel_attention (per leaf,
+#       with stack_frames=True and "auto") against optax.adamw on GPT-2-small
 #       shapes (benchmarks/speed's update and train_step comparisons; its
 #       CPU-only retraction table is left out), and its native-layout probe
 #       (do XLA's GPU dots take the (d, heads, r) kernels without copies?);

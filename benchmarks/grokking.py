@@ -26,7 +26,7 @@ kernels, per head), the Frobenius norm of every other weight, and the mean
 per-step movement ||W_{t+1} - W_t||_F of each Q/K frame over the chunk.
 Runs are saved per (arm, seed) with a checkpoint, so a stopped study resumes;
 a saved run is reused only under the same identity (configuration, the
-equations' md5, library version: `benchmarks.harness`). Output goes to
+equations' md5, library numerics version: `benchmarks.harness`). Output goes to
 runs/grokking/<default|full|quick>/ (ignored by git) unless `--out` names a
 folder, e.g. one of the committed reference folders under
 benchmarks/results/grokking/. Each folder holds study.json (what was asked),
@@ -281,8 +281,8 @@ def load_run(cfg: Config, arm: str, seed: int, out: Path,
 
 
 def schedule(study: Study) -> list:
-  """(arm, seed, steps) in run order: the seed study first, then the long
-  seed continued, then the rsgd probe."""
+  """(arm, seed, steps) in run order: the seed study first, then the rsgd
+  probe, then the long seed continued."""
   jobs = [(arm, seed, study.steps) for seed in study.seeds
           for arm in study.arms]
   if study.probe_steps:

@@ -20,7 +20,8 @@ Outputs. By default every experiment writes under runs/<experiment>/ at the
 repository root, which git ignores. The committed reference results under
 benchmarks/results/ are rewritten only when `--out` names them.
 
-Command line, the same in every experiment: `--quick` (a small smoke run),
+Command line, the same in the paired-seed experiments (grokking,
+cifar_patches, lm; `add_common_args`): `--quick` (a small smoke run),
 `--seeds` (a list or range: 0-11, 500,501,502, 0-3,7), `--out DIR`,
 `--report-only` (no training: tables, plots and summaries from the saved
 runs) and `--results-md PATH` (also rewrite the experiment's section of that

@@ -108,7 +108,7 @@ bytes.
 Runs are saved per (arm, seed, configuration) under <out>/runs/, with a
 checkpoint while training, so a stopped study resumes; a saved run is reused
 only under the same identity (`benchmarks.harness`: the configuration's
-content, the corpus's md5 and the library version). Output goes to
+content, the corpus's md5 and the library numerics version). Output goes to
 runs/lm/ (ignored by git) unless `--out` names a folder (the committed
 reference runs: benchmarks/results/lm). The report (table.md, results.json
 and the RESULTS.md section: `benchmarks.reports.lm`) is generated from every
@@ -896,7 +896,7 @@ def _field_type(f: dataclasses.Field):
 
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m benchmarks.lm",
-                              description=__doc__.split("\n")[0])
+                              description=__doc__.split("\n\n")[0])
   harness.add_common_args(
       p, default_out_dir="runs/lm", seeds_default="0",
       quick_help="toy size (2 layers, d 32, context 16, 30 iters), arms"

@@ -193,7 +193,8 @@ def long_run(steps: int = 5_000, *, chunk: int = 1_000, dtype="float32",
 
 
 def main(argv: Optional[list] = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.long_run",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true",
                       help="float32 only, 5,000 steps, nothing written")
   parser.add_argument("--steps", type=int, default=100_000)

@@ -59,7 +59,8 @@ class PeerError(RuntimeError):
 
 
 class PeerChild:
-  """benchmarks/peer_geoopt.py running under `python`, driven by JSON lines
+  """benchmarks/speed/peer_geoopt.py (PEER_SCRIPT) running under `python`,
+  driven by JSON lines
   (one request, one answer; see that module's docstring).
 
   A reader thread queues the child's stdout lines, so that every answer is
