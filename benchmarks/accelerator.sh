@@ -9,7 +9,7 @@
 #       6 layers, 6 heads, 384 wide, context 256, batch 64, 5,000 iters,
 #       lr 1e-3 -> 1e-4, dropout 0.2 (published AdamW val loss 1.4697),
 #       arms adamw and stiefel, paired seeds 0, 1, ... as many as fit in the
-#       time left (benchmarks/lm.py --time-budget), then its report.
+#       time left (benchmarks.lm --time-budget), then its report.
 #
 #   bash benchmarks/accelerator.sh              # on a GPU machine
 #   TOY=1 bash benchmarks/accelerator.sh        # CPU smoke run, toy sizes

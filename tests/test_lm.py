@@ -1,4 +1,4 @@
-"""The language-model benchmark (benchmarks/lm.py): the model is nanoGPT's,
+"""The language-model benchmark (benchmarks/lm/): the model is nanoGPT's,
 the schedule and weight decay are nanoGPT's, the arms do what they say
 (Stiefel Q/K frames stay orthonormal while the v third follows AdamW; Muon
 acts on each head's q/k matrix), the study is planned fairly and in order,
@@ -20,17 +20,28 @@ import optax
 import pytest
 
 import stiefel_optax as so
+import benchmarks.lm.arms
+import benchmarks.lm.cli
+import benchmarks.lm.config
+import benchmarks.lm.data
+import benchmarks.lm.estimate
+import benchmarks.lm.model
+import benchmarks.lm.report
+import benchmarks.lm.steps
+import benchmarks.lm.study
+import benchmarks.lm.timing
+import benchmarks.lm.train
 from benchmarks import harness, lm, stats, study as study_lib, training
 from benchmarks.reports import lm as report_lib
 
 # The quick study's toy model: the unit tests and the study share its
 # compiled operations (nanoGPT's initialisation runs op by op).
-Q = lm.QUICK_STUDY_BASE
+Q = lm.study.QUICK_STUDY_BASE
 # Toy sizes: compiled without LLVM's optimisation (most of the compile time).
 jit = functools.partial(jax.jit,
                         compiler_options={"xla_backend_optimization_level": 0})
 VOCAB = 65
-DATA = lm.default_data()
+DATA = lm.data.default_data()
 needs_data = pytest.mark.skipif(not DATA.is_file(),
                                 reason=f"no corpus at {DATA}")
 
@@ -38,7 +49,7 @@ needs_data = pytest.mark.skipif(not DATA.is_file(),
 def test_cpu_config_is_nanogpts_small_model():
   """0.80M parameters without the position embedding (nanoGPT's count),
   head tied to wte (no separate head matrix), no biases."""
-  model = lm.make_model(lm.CPU, VOCAB)
+  model = lm.model.make_model(lm.config.CPU, VOCAB)
   shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0),
                           jnp.zeros((1, 64), jnp.int32))["params"]
   paths = {so.path_str(p): x.shape for p, x in
@@ -50,11 +61,11 @@ def test_cpu_config_is_nanogpts_small_model():
 
 @functools.lru_cache(maxsize=None)
 def _params(arm="adamw"):
-  return lm.initial_params(dataclasses.replace(Q, arm=arm), VOCAB, 0)
+  return lm.model.initial_params(dataclasses.replace(Q, arm=arm), VOCAB, 0)
 
 
 def test_attention_is_causal():
-  apply = jit(lm.make_model(Q, VOCAB).apply)
+  apply = jit(lm.model.make_model(Q, VOCAB).apply)
   params = _params()
   x = jnp.arange(Q.block_size)[None] % VOCAB
   k = Q.block_size // 2
@@ -65,7 +76,7 @@ def test_attention_is_causal():
 
 
 def test_lr_schedule_is_nanogpts_get_lr():
-  cfg = lm.CPU
+  cfg = lm.config.CPU
 
   def get_lr(it):   # nanoGPT train.py
     if it < cfg.warmup_iters:
@@ -76,17 +87,17 @@ def test_lr_schedule_is_nanogpts_get_lr():
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
     return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
 
-  sched = lm.lr_schedule(cfg, cfg.learning_rate)
+  sched = lm.arms.lr_schedule(cfg, cfg.learning_rate)
   for it in (0, 1, 50, 99, 100, 101, 777, 1999, 2000, 2001, 3000):
     np.testing.assert_allclose(float(sched(it)), get_lr(it), rtol=1e-5)
-  np.testing.assert_allclose(float(lm.lr_schedule(cfg, 0.03)(2000)), 0.003,
+  np.testing.assert_allclose(float(lm.arms.lr_schedule(cfg, 0.03)(2000)), 0.003,
                              rtol=1e-5)
 
 
 def test_weight_decay_on_rank_2_parameters_only():
   params = _params()
   mask = {so.path_str(p): m for p, m in
-          jax.tree_util.tree_leaves_with_path(lm.decay_mask(params))}
+          jax.tree_util.tree_leaves_with_path(lm.arms.decay_mask(params))}
   assert mask["wte/embedding"] and mask["wpe/embedding"]
   assert mask["h_0/attn/c_attn/kernel"] and mask["h_0/c_fc/kernel"]
   assert not mask["h_0/ln_1/scale"] and not mask["ln_f/scale"]
@@ -94,9 +105,9 @@ def test_weight_decay_on_rank_2_parameters_only():
 
 def test_get_batch_is_shifted_and_seeded():
   data = jnp.arange(1000, dtype=jnp.int32)
-  x, y = lm.get_batch(data, jax.random.PRNGKey(3), 5, 8)
+  x, y = lm.data.get_batch(data, jax.random.PRNGKey(3), 5, 8)
   np.testing.assert_array_equal(y, x + 1)
-  x2, _ = lm.get_batch(data, jax.random.PRNGKey(3), 5, 8)
+  x2, _ = lm.data.get_batch(data, jax.random.PRNGKey(3), 5, 8)
   np.testing.assert_array_equal(x, x2)
   assert x.shape == (5, 8) and int(y.max()) < 1000
 
@@ -118,12 +129,12 @@ def _thirds(params, path="h_0/attn/c_attn/kernel"):
 def test_stiefel_arm_keeps_qk_orthonormal_and_v_on_adamw():
   cfg = dataclasses.replace(Q, arm="stiefel", stiefel_learning_rate=0.1)
   start = _params("stiefel")
-  sel = lm.frames(cfg)
+  sel = lm.model.frames(cfg)
   assert float(so.max_isometry_error(start, sel)) < 1e-5
   grads = [_random_grads(start, i) for i in range(3)]
   runs = {}
   for arm in ("stiefel", "orthogonal_init"):   # the same start, then AdamW
-    tx = lm.make_optimizer(dataclasses.replace(cfg, arm=arm))
+    tx = lm.arms.make_optimizer(dataclasses.replace(cfg, arm=arm))
     update, p = jit(tx.update), start
     state = tx.init(p)   # checks the orthonormal start
     for g in grads:
@@ -147,10 +158,10 @@ def test_muon_arm_is_optax_muon_on_each_head():
   cfg = dataclasses.replace(Q, arm="muon")
   params = _params()
   grads = _random_grads(params, 0)
-  tx = lm.make_optimizer(cfg)
+  tx = lm.arms.make_optimizer(cfg)
   u, _ = jit(tx.update)(grads, tx.init(params), params)
   hd = cfg.n_embd // cfg.n_head
-  ref = optax.contrib.muon(lm.lr_schedule(cfg, cfg.muon_learning_rate),
+  ref = optax.contrib.muon(lm.arms.lr_schedule(cfg, cfg.muon_learning_rate),
                            beta=0.95, weight_decay=cfg.weight_decay,
                            consistent_rms=0.2)
   ref_update = jit(ref.update)   # one compile: every head has one shape
@@ -167,7 +178,7 @@ def test_muon_arm_is_optax_muon_on_each_head():
 @pytest.fixture
 def fast_compile(monkeypatch):
   """Toy sizes: skip LLVM's optimisation (most of the compile time)."""
-  caches = (lm.chunk_fn, lm.estimate_fn, lm.full_loss_fn)
+  caches = (lm.steps.chunk_fn, lm.steps.estimate_fn, lm.steps.full_loss_fn)
   monkeypatch.setattr(training, "COMPILER_OPTIONS",
                       {"xla_backend_optimization_level": 0})
   for c in caches:
@@ -188,7 +199,7 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
   numbers."""
   out, md = tmp_path / "lm", tmp_path / "RESULTS.md"
   md.write_text("# Benchmark results\n\n## Grokking\n\nother text\n")
-  rep = lm.main(["--study", "--quick", "--out", str(out), "--results-md",
+  rep = lm.cli.main(["--study", "--quick", "--out", str(out), "--results-md",
                  str(md)])
   printed = capsys.readouterr().out
   assert printed.startswith("study: 17 runs to do (1 reference, 4 tuning")
@@ -224,7 +235,7 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
     assert r["final"]["qk_iso"] < 1e-5
   ortho = s["tuning"]["orthogonal_init"]   # its own AdamW grid
   assert ortho["base"] == {} and ortho["chosen"]["learning_rate"] == 1e-2
-  assert all(r["data"] == f"tinyshakespeare:md5={lm.CORPUS_MD5}"
+  assert all(r["data"] == f"tinyshakespeare:md5={lm.data.CORPUS_MD5}"
              for r in recs.values())
   assert str(tmp_path) not in json.dumps(recs)
   pairs = [("stiefel", "adamw"), ("orthogonal_init", "adamw"),
@@ -252,17 +263,17 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
   # same bytes from the raw runs
   files = {p.name: p.read_bytes() for p in (out / "runs").iterdir()}
   table_bytes = (out / "table.md").read_bytes()
-  lm.main(["--study", "--quick", "--out", str(out), "--quiet"])
+  lm.cli.main(["--study", "--quick", "--out", str(out), "--quiet"])
   assert {p.name: p.read_bytes() for p in (out / "runs").iterdir()} == files
-  lm.main(["--study", "--quick", "--report-only", "--out", str(out),
+  lm.cli.main(["--study", "--quick", "--report-only", "--out", str(out),
            "--quiet"])
   assert (out / "table.md").read_bytes() == table_bytes
-  assert lm.main(["--study", "--quick", "--dry-run", "--out", str(out),
+  assert lm.cli.main(["--study", "--quick", "--dry-run", "--out", str(out),
                   "--quiet"])["estimate"]["total_runs"] == 0
   # stopped after step 20 (saved at 10), then resumed: the same numbers
   rec = next(r for r in stiefel if r["seed"] == 500)
-  cfg = lm.Config(**rec["config"])
-  corpus = lm.load_corpus(str(DATA))
+  cfg = lm.config.Config(**rec["config"])
+  corpus = lm.data.load_corpus(str(DATA))
 
   def stop(msg):
     if "step 20" in msg:
@@ -270,10 +281,10 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
 
   other = tmp_path / "other"
   with pytest.raises(KeyboardInterrupt):
-    lm.train_run(cfg, 500, corpus, other, save_every_s=0, log=stop)
+    lm.train.train_run(cfg, 500, corpus, other, save_every_s=0, log=stop)
   part = harness.read_json(other / "runs" / f"{rec['name']}.json")
   assert part["final"] is None and part["history"]["step"][-1] == 10
-  done = lm.train_run(cfg, 500, corpus, other, log=lambda *_: None)
+  done = lm.train.train_run(cfg, 500, corpus, other, log=lambda *_: None)
   assert done["final"] == rec["final"]
   assert done["history"]["val_loss"] == rec["history"]["val_loss"]
   assert not list((other / "runs").glob("*.npz"))
@@ -283,11 +294,11 @@ def _fake_runs(study, data, loss, arms, done=None):
   """`done` with fake finished tuning runs of `arms` (score loss(cfg)),
   added as the plan asks for them, until it asks for no more."""
   done = dict(done or {})
-  while left := [t for t in lm.remaining(study, done, data)
+  while left := [t for t in lm.study.remaining(study, done, data)
                  if t.stage == "tune" and t.arm in arms]:
     for t in left:
-      v = loss(lm.task_config(study, t))
-      done[lm.task_name(study, t, data)] = {"final": {"val_loss_full": v,
+      v = loss(lm.study.task_config(study, t))
+      done[lm.study.task_name(study, t, data)] = {"final": {"val_loss_full": v,
                                                "train_loss": v}, "wall_s": 1.0}
   return done
 
@@ -321,7 +332,7 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   confirmation (the main arms' pairs before the others' tuning), the
   non-Q/K AdamW at adamw's choice; the committed runs'
   names (their identity) unchanged; and the time estimate."""
-  st, data = lm.STUDY, lm.study_data([])
+  st, data = lm.study.STUDY, lm.report.study_data([])
   for arm in st.arms:
     for _, vals in arm.axes:
       assert len(vals) == 3
@@ -330,17 +341,17 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   assert not set(st.tune_seeds) & set(harness.DISCOVERY_SEEDS
                                       + harness.CONFIRMATION_SEEDS)
   # nothing run: the reference, then adamw's grid; the rest waits on it
-  first = lm.plan(st, {}, data)
+  first = lm.study.plan(st, {}, data)
   assert [t.stage for t in first] == ["reference"] * 4 + ["tune"] * 27
-  cfg = lambda t: lm.task_config(st, t)
-  name = lambda t: lm.task_name(st, t, data)
-  assert all(cfg(t) == lm.CPU for t in first[:4])
+  cfg = lambda t: lm.study.task_config(st, t)
+  name = lambda t: lm.study.task_name(st, t, data)
+  assert all(cfg(t) == lm.config.CPU for t in first[:4])
   assert [name(t) for t in first[:4]] == [
       f"adamw_seed{s}_85bd1ed3" for s in range(4)]   # the committed runs
   assert "adamw_seed100_a8e4024a" in {name(t) for t in first}
-  whole = lm.plan(st, {}, data, assume=True)
+  whole = lm.study.plan(st, {}, data, assume=True)
   count = lambda stage: sum(t.stage == stage for t in whole)
-  assert [count(x) for x in lm.STAGES] == [4, 135, 46, 46]
+  assert [count(x) for x in lm.study.STAGES] == [4, 135, 46, 46]
   assert all(cfg(t).max_iters == cfg(t).lr_decay_iters == 500
              for t in whole if t.stage == "tune")
   # per group (the main arms together, then each other arm): its tuning,
@@ -369,7 +380,7 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
                     - (c.arm == "stiefel") * (c.stiefel_learning_rate
                                               - abs(ll(c.max_step_norm))))
   done = _fake_runs(st, data, loss, ("adamw", "stiefel"))
-  runs = lm.finished(st, done, data)
+  runs = lm.study.finished(st, done, data)
   ad, sf = (report_lib.tuning_summary(st, a,
                                       study_lib.tuning_runs(st, runs, a))
             for a in ("adamw", "stiefel"))
@@ -379,10 +390,10 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   # its cap is relative: at lr 37 the ratio 0.0333 puts it nearest 1
   assert sf["chosen"] == {"stiefel_learning_rate": 37.0,
                           "max_step_ratio": 0.0333}
-  tuned = [t for t in lm.plan(st, done, data) if t.arm == "stiefel"]
+  tuned = [t for t in lm.study.plan(st, done, data) if t.arm == "stiefel"]
   assert all(cfg(t).learning_rate == 0.0333 and cfg(t).min_lr == 0.00333
              for t in tuned)
-  assert {t.stage for t in lm.remaining(st, done, data)} == {
+  assert {t.stage for t in lm.study.remaining(st, done, data)} == {
       "reference", "discovery", "confirmation", "tune"}   # main pairs, then
   # the next arm's tuning
   # with adamw at nanoGPT's (1e-3, 0.1) and stiefel at (0.3, 0.3), the
@@ -391,38 +402,38 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
       ll(c.weight_decay) + 1) ** 2 + (c.arm == "stiefel") * (
           abs(ll(c.stiefel_learning_rate / 0.3))
           + abs(ll(c.max_step_norm / 0.3)))
-  names = {name(t) for t in lm.plan(
+  names = {name(t) for t in lm.study.plan(
       st, _fake_runs(st, data, near, ("adamw", "stiefel")), data)}
-  committed = {p.stem for p in (lm.REFERENCE_DIR / "runs").glob("*.json")}
+  committed = {p.stem for p in (lm.cli.REFERENCE_DIR / "runs").glob("*.json")}
   assert {"adamw_seed0_85bd1ed3", "stiefel_seed3_7d17bf48",
           "stiefel_seed100_f83e6c5e", "stiefel_seed100_2fa4f422"} <= (
               names & committed)
   # the estimate: at 0.125 s per iteration (a 2,000-iteration run in 250 s)
-  rec = dict(config=lm.identity_config(lm.CPU), wall_s=250.0,
+  rec = dict(config=lm.config.identity_config(lm.config.CPU), wall_s=250.0,
              final=dict(step=2000))
-  est = lm.estimate(st, {}, data, lm.iteration_rates([rec]))
+  est = lm.estimate.estimate(st, {}, data, lm.timing.iteration_rates([rec]))
   assert est["total_runs"] == 231
   assert est["total_seconds"] == 0.125 * (4 * 2000 + 135 * 500 + 92 * 2000)
   assert est["widening_runs"] == 4 * 27 * 3 + 3 * 3 * 3
-  assert "231 runs to do" in lm.estimate_text(st, est, 1)
-  assert "9.0 h" in lm.estimate_text(st, est, 1)
+  assert "231 runs to do" in lm.estimate.estimate_text(st, est, 1)
+  assert "9.0 h" in lm.estimate.estimate_text(st, est, 1)
   # from a probe: one compilation per configuration, not per run
-  whole = lm.remaining(st, {}, data, assume=True)
-  probed = lm.estimate(st, {}, data, {}, probed=(0.1, 10.0))
+  whole = lm.study.remaining(st, {}, data, assume=True)
+  probed = lm.estimate.estimate(st, {}, data, {}, probed=(0.1, 10.0))
   assert probed["total_seconds"] == pytest.approx(
-      lm.projected_seconds([cfg(t) for t in whole], 0.1, 0.0)
-      + 10.0 * len({lm.train_config(cfg(t)) for t in whole}))
+      lm.timing.projected_seconds([cfg(t) for t in whole], 0.1, 0.0)
+      + 10.0 * len({lm.steps.train_config(cfg(t)) for t in whole}))
 
 
 def test_default_output_is_git_ignored():
-  args = lm.parse_args(["--quick"])
+  args = lm.cli.parse_args(["--quick"])
   assert args.out is None
   assert harness.default_out("lm") == harness.RUNS_ROOT / "lm"
-  assert [c.arm for c in lm.configs(args)] == ["adamw", "stiefel"]
+  assert [c.arm for c in lm.cli.configs(args)] == ["adamw", "stiefel"]
   with pytest.raises(SystemExit, match="drop --seeds, --learning-rate"):
-    lm.check_study_args(lm.parse_args(["--study", "--seeds", "0",
+    lm.cli.check_study_args(lm.cli.parse_args(["--study", "--seeds", "0",
                                        "--learning-rate", "0.01"]))
-  swept = lm.configs(lm.parse_args(["--arms", "adamw,stiefel",
+  swept = lm.cli.configs(lm.cli.parse_args(["--arms", "adamw,stiefel",
                                     "--stiefel-learning-rate", "0.01,0.1",
                                     "--max-iters", "500"]))
   assert [(c.arm, c.stiefel_learning_rate, c.lr_decay_iters)
@@ -453,17 +464,17 @@ def test_accelerator_script_toy(tmp_path):
 def test_other_arms_build_and_keep_their_constraints():
   params = _params("stiefel")
   grads = _random_grads(params, 0)
-  sel = lm.frames(Q)
+  sel = lm.model.frames(Q)
   for arm in ("rsgd", "stiefel_muon"):   # frames stay on the manifold
-    tx = lm.make_optimizer(dataclasses.replace(Q, arm=arm))
+    tx = lm.arms.make_optimizer(dataclasses.replace(Q, arm=arm))
     u, _ = jit(tx.update)(grads, tx.init(params), params)
     assert float(so.max_isometry_error(optax.apply_updates(params, u),
                                        sel)) < 1e-5
   qkn = _params("qk_norm")   # per-head RMSNorm scales, not decayed
   mask = {so.path_str(p): m for p, m in
-          jax.tree_util.tree_leaves_with_path(lm.decay_mask(qkn))}
+          jax.tree_util.tree_leaves_with_path(lm.arms.decay_mask(qkn))}
   assert mask["h_0/attn/q_norm/scale"] is False
   assert mask["h_0/attn/k_norm/scale"] is False
   assert len(mask) == len(jax.tree.leaves(_params())) + 2 * Q.n_layer
   with pytest.raises(ValueError, match="arm must be one of"):
-    lm.make_optimizer(dataclasses.replace(Q, arm="sgd"))
+    lm.arms.make_optimizer(dataclasses.replace(Q, arm="sgd"))

@@ -10,8 +10,9 @@ generated RESULTS.md section.
 
 The experiment's arms, their own fields and its named settings come in as
 an `Experiment`; a study comes in as its Study (read by field) with its
-state, the plan read against the finished runs (`benchmarks.lm.study_state`:
-which runs are each grid point's, each arm's choice and paired runs).
+state, the plan read against the finished runs
+(`benchmarks.lm.report.study_state`: which runs are each grid point's, each
+arm's choice and paired runs).
 """
 
 from __future__ import annotations
@@ -349,7 +350,8 @@ def comparison_table(study: Study, runs: Mapping, block: str) -> list:
 
 def study_summary(study: Study, state: Mapping) -> dict:
   """Everything the study's report says, from the study's state
-  (`benchmarks.lm.study_state`: the plan read against the finished runs)."""
+  (`benchmarks.lm.report.study_state`: the plan read against the finished
+  runs)."""
   tunings = {a: tuning_summary(study, a, state["tuning"][a])
              for a in study.names}
   runs, ref = state["paired"], state["reference"]
@@ -509,11 +511,12 @@ def report(out: pathlib.Path, records: Sequence[dict], experiment: Experiment,
   `harness.RunStore(out).records()` reads them) and notes.md; returns
   dict(table, references, comparisons, meta) and, for a study, its summary.
 
-  study (a key of `benchmarks.lm.STUDIES`), with spec (that Study) and
-  state (`benchmarks.lm.study_state` of these records): the study's report
-  first (its tuning, choices, paired comparisons and findings), then the
-  tables of the folder's runs outside the study's plan, without their ad
-  hoc comparisons (the study's tables are the only Holm family)."""
+  study (a key of `benchmarks.lm.study.STUDIES`), with spec (that Study)
+  and state (`benchmarks.lm.report.study_state` of these records): the
+  study's report first (its tuning, choices, paired comparisons and
+  findings), then the tables of the folder's runs outside the study's
+  plan, without their ad hoc comparisons (the study's tables are the only
+  Holm family)."""
   gs = groups(records)
   if not gs:
     raise SystemExit(f"{harness.portable(out)}: no finished runs to report.")

@@ -1,0 +1,88 @@
+"""What determines a run but its seed: the arms, `Config` (nanoGPT's
+names), its presets, and a run's identity and name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from benchmarks import harness
+
+ARMS = ("adamw", "stiefel", "rsgd", "stiefel_muon", "muon", "qk_norm",
+        "orthogonal_init")
+# Arms whose Q/K parts start orthonormal (the polar factor of nanoGPT's init).
+ORTHONORMAL_START = ("stiefel", "rsgd", "stiefel_muon", "orthogonal_init")
+# Fields that only one arm reads: kept out of the other arms' identity, so
+# tuning one arm never invalidates another's runs.
+ARM_FIELDS = {"stiefel": ("stiefel_learning_rate", "max_step_norm"),
+              "rsgd": ("rsgd_learning_rate",),
+              "stiefel_muon": ("stiefel_muon_learning_rate",),
+              "muon": ("muon_learning_rate",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything that determines a run but its seed (nanoGPT's names)."""
+  arm: str = "adamw"
+  n_layer: int = 4
+  n_head: int = 4
+  n_embd: int = 128
+  block_size: int = 64
+  batch_size: int = 12
+  dropout: float = 0.0
+  max_iters: int = 2000
+  lr_decay_iters: int = 2000
+  warmup_iters: int = 100
+  learning_rate: float = 1e-3
+  min_lr: float = 1e-4
+  beta1: float = 0.9
+  beta2: float = 0.99
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+  eval_interval: int = 250
+  eval_iters: int = 20
+  # Stiefel Q/K peak lr and trust region: chosen on validation (seed 100,
+  # 500 iters) from (0.03, 0.1), (0.1, 0.1), (0.3, 0.3), (1, 1).
+  stiefel_learning_rate: float = 0.3
+  max_step_norm: float = 0.3
+  rsgd_learning_rate: float = 0.1
+  stiefel_muon_learning_rate: float = 0.01
+  muon_learning_rate: float = 1e-3
+
+
+# nanoGPT's published character-level Shakespeare runs (README): the small
+# CPU command and the shakespeare_char (GPU) config (their val losses:
+# `benchmarks.reports.lm.PUBLISHED`).
+# GPU: evaluated every 500 iterations (nanoGPT: 250) with nanoGPT's 200
+# batches, to leave time for more seeds on one GPU.
+CPU = Config()
+GPU = Config(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64,
+             dropout=0.2, max_iters=5000, lr_decay_iters=5000,
+             eval_interval=500, eval_iters=200)
+QUICK = Config(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8,
+               max_iters=30, lr_decay_iters=30, warmup_iters=5,
+               eval_interval=10, eval_iters=4)
+PRESETS = {"cpu": CPU, "gpu": GPU, "quick": QUICK}
+
+
+def identity_config(cfg: Config) -> dict:
+  """The configuration as a run's identity sees it: without the fields of
+  the other arms."""
+  others = {f for arm, fs in ARM_FIELDS.items() if arm != cfg.arm for f in fs}
+  return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in others}
+
+
+def run_name(cfg: Config, seed: int, data_id: str) -> str:
+  """<arm>_seed<seed>_<hash of the configuration and data>."""
+  digest = harness.digest([identity_config(cfg), data_id], 8)
+  return f"{cfg.arm}_seed{seed}_{digest}"
+
+
+def check_config(cfg: Config) -> None:
+  if cfg.arm not in ARMS:
+    raise SystemExit(f"arm must be one of {', '.join(ARMS)}; got {cfg.arm!r}.")
+  if cfg.max_iters % cfg.eval_interval:
+    raise SystemExit(f"max_iters = {cfg.max_iters} must be a multiple of"
+                     f" eval_interval = {cfg.eval_interval}.")
+  if cfg.n_embd % cfg.n_head:
+    raise SystemExit(f"n_embd = {cfg.n_embd} is not divisible by n_head ="
+                     f" {cfg.n_head}.")

@@ -1,0 +1,45 @@
+"""The model of a configuration (`benchmarks.models.GPT`), its Q/K frames,
+its initial parameters and its loss."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import stiefel_optax as so
+from benchmarks.lm.config import ORTHONORMAL_START, Config
+from benchmarks.models import GPT
+
+
+def make_model(cfg: Config, vocab_size: int) -> GPT:
+  return GPT(vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd,
+             cfg.dropout, qk_norm=cfg.arm == "qk_norm")
+
+
+def frames(cfg: Config) -> dict:
+  """The frame selector of the fused kernel: q and k thirds, per head."""
+  return {r"c_attn/kernel$": so.fused_qkv(cfg.n_head)}
+
+
+def initial_params(cfg: Config, vocab_size: int, seed: int):
+  """nanoGPT's initialisation from the seed (the same for every arm); the
+  orthonormal-start arms replace each head's q and k by its polar factor."""
+  model = make_model(cfg, vocab_size)
+  x = jnp.zeros((1, cfg.block_size), jnp.int32)
+  params = model.init(jax.random.fold_in(jax.random.PRNGKey(seed), 0),
+                      x)["params"]
+  if cfg.arm in ORTHONORMAL_START:
+    params = so.orthonormalize(params, frames(cfg))
+  return params
+
+
+def n_params(params) -> int:
+  return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+def loss_fn(model: GPT, params, x, y, dropout_key=None):
+  rngs = None if dropout_key is None else {"dropout": dropout_key}
+  logits = model.apply({"params": params}, x,
+                       deterministic=dropout_key is None, rngs=rngs)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()

@@ -1,0 +1,120 @@
+"""Training and evaluation, jitted (`lax.scan` over chunks of steps): the
+compiled functions a run calls, cached per the part of its configuration
+they read."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import stiefel_optax as so
+from benchmarks import training
+from benchmarks.lm.arms import make_optimizer
+from benchmarks.lm.config import Config
+from benchmarks.lm.data import get_batch
+from benchmarks.lm.model import frames, loss_fn, make_model
+
+
+def keys(seed: int):
+  """(batch, dropout, eval) root keys of a seed; per step: fold_in(step)."""
+  root = jax.random.PRNGKey(seed)
+  return tuple(jax.random.fold_in(root, i) for i in (1, 2, 3))
+
+
+def train_config(cfg: Config) -> Config:
+  """cfg as one training chunk reads it: orthogonal_init trains as adamw
+  (it differs in its start only), and the run's length and evaluation size
+  are not read. Runs that agree here share one compiled chunk (the same
+  function, so the same numbers)."""
+  arm = "adamw" if cfg.arm == "orthogonal_init" else cfg.arm
+  return dataclasses.replace(cfg, arm=arm, max_iters=0, eval_iters=0)
+
+
+def eval_config(cfg: Config) -> Config:
+  """cfg as the evaluations read it (the model, batch and evaluation
+  sizes, not the optimizer): runs that agree here share one compiled
+  evaluation."""
+  return Config(arm="qk_norm" if cfg.arm == "qk_norm" else "adamw",
+                n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                block_size=cfg.block_size, batch_size=cfg.batch_size,
+                dropout=cfg.dropout, eval_iters=cfg.eval_iters)
+
+
+@functools.lru_cache(maxsize=None)
+def chunk_fn(cfg: Config, vocab_size: int):
+  """jit(carry, start, train, seed keys) -> (carry, mean train loss) over
+  `eval_interval` steps of `training.train_chunk`, step `it`'s batch (and
+  dropout key) folded from the seed's keys."""
+  model, tx = make_model(cfg, vocab_size), make_optimizer(cfg)
+
+  def batch_of(it, data, batch_key, drop_key):
+    x, y = get_batch(data, jax.random.fold_in(batch_key, it), cfg.batch_size,
+                     cfg.block_size)
+    return x, y, jax.random.fold_in(drop_key, it) if cfg.dropout > 0 else None
+
+  train = training.train_chunk(lambda p, x, y, dk: loss_fn(model, p, x, y, dk),
+                               tx, batch_of)
+
+  def chunk(carry, start, data, batch_key, drop_key):
+    carry, loss, _ = train(carry, start + jnp.arange(cfg.eval_interval), data,
+                           batch_key, drop_key)
+    return carry, loss
+
+  return training.jit(chunk, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=None)
+def estimate_fn(cfg: Config, vocab_size: int):
+  """jit(params, train, val, eval key, step) -> nanoGPT's estimate_loss:
+  mean loss of eval_iters random batches of each split, and the isometry
+  error of the Q/K frames (mean over every head)."""
+  model = make_model(cfg, vocab_size)
+
+  def split_loss(params, data, key):
+    def one(k):
+      return loss_fn(model, params, *get_batch(data, k, cfg.batch_size,
+                                               cfg.block_size))
+    return jax.lax.map(one, jax.random.split(key, cfg.eval_iters)).mean()
+
+  def estimate(params, train, val, key, it):
+    key = jax.random.fold_in(key, it)
+    iso = so.frame_isometry_errors(params, frames(cfg))
+    return dict(train_loss=split_loss(params, train, jax.random.fold_in(key, 0)),
+                val_loss=split_loss(params, val, jax.random.fold_in(key, 1)),
+                qk_iso=jnp.mean(jnp.concatenate(
+                    [e.ravel() for e in iso.values()])))
+
+  return training.jit(estimate)
+
+
+@functools.lru_cache(maxsize=None)
+def full_loss_fn(cfg: Config, vocab_size: int, batch: int = 64):
+  """jit(params, tokens) -> mean loss over every next-token prediction in
+  the non-overlapping windows of block_size (tokens beyond the last full
+  window dropped)."""
+  model = make_model(cfg, vocab_size)
+
+  def full(params, tokens):
+    n = (tokens.shape[0] - 1) // cfg.block_size
+    idx = jnp.arange(n * cfg.block_size)
+    x = tokens[idx].reshape(n, cfg.block_size)
+    y = tokens[idx + 1].reshape(n, cfg.block_size)
+    pad = -n % batch
+    x = jnp.concatenate([x, jnp.zeros((pad, cfg.block_size), x.dtype)])
+    y = jnp.concatenate([y, jnp.zeros((pad, cfg.block_size), y.dtype)])
+    w = (jnp.arange(n + pad) < n).astype(jnp.float32)
+
+    def one(args):
+      xb, yb, wb = args
+      logits = model.apply({"params": params}, xb)
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
+      return (ce.mean(-1) * wb).sum()
+
+    shape = lambda a: a.reshape((-1, batch) + a.shape[1:])
+    return jax.lax.map(one, (shape(x), shape(y), shape(w))).sum() / n
+
+  return training.jit(full)
