@@ -1,5 +1,16 @@
 """What determines a run but its seed: the arms, `Config` (nanoGPT's
-names), its presets, and a run's identity and name."""
+names), its presets, and a run's identity and name.
+
+A run's name is its arm, seed and the digest of its identity
+configuration and corpus; an arm's own fields stay out of the others':
+
+>>> run_name(CPU, 0, "tinyshakespeare:md5=6fb458f1232090904fb40fe944165e91")
+'adamw_seed0_85bd1ed3'
+>>> stiefel = dataclasses.replace(CPU, arm="stiefel")
+>>> [f for f in ("max_step_norm", "muon_learning_rate")
+...  if f in identity_config(stiefel)]
+['max_step_norm']
+"""
 
 from __future__ import annotations
 

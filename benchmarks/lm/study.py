@@ -107,7 +107,13 @@ STUDIES = {"full": STUDY, "quick": QUICK_STUDY}
 def point_config(base: Config, arm: str, hp: Mapping, iters: int) -> Config:
   """base for `arm` on a schedule of `iters` iterations (decayed to the
   end) with the hyperparameters hp; an AdamW lr brings its floor lr / 10,
-  a cap given relative to the Q/K lr (max_step_ratio) is that times it."""
+  a cap given relative to the Q/K lr (max_step_ratio) is that times it.
+
+  >>> c = point_config(CPU, "stiefel", {"learning_rate": 3e-3,
+  ...     "stiefel_learning_rate": 0.3, "max_step_ratio": 0.3}, 500)
+  >>> c.arm, c.min_lr, c.max_step_norm, c.max_iters, c.lr_decay_iters
+  ('stiefel', 0.0003, 0.09, 500, 500)
+  """
   hp = dict(hp)
   if "learning_rate" in hp:
     hp["min_lr"] = float(f"{hp['learning_rate'] / LR_FLOOR:.6g}")
