@@ -12,10 +12,10 @@ The attention query/key kernels have shape (d_model, heads, head_dim) at
 `block_<i>/attn/{query,key}/kernel`, the layout `stiefel_optax` selects by
 default ("flax").
 
-Users: grokking (`benchmarks.grokking.make_model`), CIFAR (`PatchViTConfig`
-below), the speed benchmark's causal LM (`benchmarks.speed.train_step`;
-both `pre_ln_gelu`); the long-run drift benchmark trains one
-`self_attention` layer alone.
+Users: grokking (`benchmarks.grokking.model.make_model`), CIFAR
+(`PatchViTConfig` below), the speed benchmark's causal LM
+(`benchmarks.speed.train_step`; both `pre_ln_gelu`); the long-run drift
+benchmark trains one `self_attention` layer alone.
 
 `GPT` (end of the file) is nanoGPT's model for the language-model benchmark
 (`benchmarks.lm`), kept as nanoGPT writes it so that its published losses

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import stiefel_optax as so
-from benchmarks import grokking, harness, modular
+from benchmarks import grokking, harness
+from benchmarks.grokking import data
 from benchmarks.reports import grokking as report_lib
 
 TINY_CFG = grokking.Config(p=11, d_model=16, num_heads=2, d_mlp=32,
@@ -22,10 +23,10 @@ TINY = ["--p", "11", "--d-model", "16", "--num-heads", "2", "--d-mlp", "32",
         "--no-progress"]
 
 
-@pytest.mark.parametrize("op", modular.OPS)
+@pytest.mark.parametrize("op", data.OPS)
 def test_equations_are_correct(op):
   p = 11
-  x, y = modular.all_equations(p, op)
+  x, y = data.all_equations(p, op)
   assert x.shape == ((p * (p - 1) if op == "/" else p * p), 3)
   assert np.all(x[:, 2] == p)
   a, b = x[:, 0], x[:, 1]
@@ -38,14 +39,14 @@ def test_equations_are_correct(op):
 
 
 def test_split_is_seeded_and_disjoint():
-  s0, s0b, s1 = (modular.make_split(13, "+", 0.4, s) for s in (0, 0, 1))
+  s0, s0b, s1 = (data.make_split(13, "+", 0.4, s) for s in (0, 0, 1))
   np.testing.assert_array_equal(s0.train_x, s0b.train_x)
   assert not np.array_equal(s0.train_x, s1.train_x)
   assert s0.train_x.shape[0] == round(0.4 * 169)
   rows = {tuple(r) for r in s0.train_x} | {tuple(r) for r in s0.val_x}
   assert len(rows) == 169 == s0.train_x.shape[0] + s0.val_x.shape[0]
   with pytest.raises(ValueError, match="train_fraction"):
-    modular.split(s0.train_x, s0.train_y, 1.0, 0)
+    data.split(s0.train_x, s0.train_y, 1.0, 0)
 
 
 def test_arms_share_every_non_qk_weight():

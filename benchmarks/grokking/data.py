@@ -3,14 +3,19 @@
 Each example is the token sequence [a, b, EQ] with EQ = p (so the vocabulary
 has p + 1 tokens) and the label c in [0, p). The data is generated, never
 downloaded; the split is a seeded permutation, so seed s gives every arm the
-same training and validation sets.
+same training and validation sets. Its content id (`data_id`, the md5 of
+every equation and label) is part of each run's identity.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
+
+from benchmarks import harness
 
 DEFAULT_PRIME = 97
 OPS = ("+", "-", "/")
@@ -70,3 +75,16 @@ def make_split(p: int = DEFAULT_PRIME, op: str = "+",
   """The equations of (a op b) mod p split for seed `seed`."""
   x, y = all_equations(p, op)
   return split(x, y, train_fraction, seed)
+
+
+@functools.lru_cache(maxsize=None)
+def data_id(p: int, op: str) -> str:
+  """The task's content id: md5 of every equation and its label."""
+  return f"modular:md5={harness.md5_arrays(*all_equations(p, op))}"
+
+
+def make_data(cfg, seed: int) -> Split:
+  """The seed's split as device arrays (the same for every arm) of the task
+  of cfg (a `config.Config`: its p, op and train_fraction)."""
+  sp = make_split(cfg.p, cfg.op, cfg.train_fraction, seed)
+  return Split(*(jnp.asarray(a) for a in sp))

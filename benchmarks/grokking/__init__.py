@@ -1,0 +1,65 @@
+"""Modular-arithmetic grokking: AdamW against Stiefel attention, paired seeds.
+
+    python -m benchmarks.grokking            # reduced default, a few minutes
+    python -m benchmarks.grokking --full     # the longer study, resumable
+    python -m benchmarks.grokking --full --time-budget 3600
+                                             # stops itself between jobs
+    python -m benchmarks.grokking --quick    # a smoke run, under a minute
+    python -m benchmarks.grokking --report-only --results-md benchmarks/RESULTS.md
+                                             # the committed tables and section
+
+Task: (a op b) mod p (p = 97) from the tokens [a, b, =], a seeded share of all
+equations for training, the rest for validation, full-batch training
+(generated, never downloaded).
+Model: `benchmarks.models.Transformer` (flax.linen attention), one layer,
+no LayerNorm, ReLU MLP, read out at the last token.
+Arms (same data split, same initialisation of every non-Q/K weight, same
+full-batch order for a seed):
+
+  adamw    every weight on AdamW, weight decay 1.0.
+  stiefel  the Q/K kernels' per-head frames orthonormalised at the start and
+           trained by `stiefel_optax.stiefel_attention`; the rest AdamW, wd 1.0.
+  rsgd     (mechanism probe only) Q/K frames on fixed-step `riemannian_sgd`.
+
+Every `log_every` steps each run records train/validation accuracy and loss,
+the isometry error ||W^T W - I||_F of every Q/K frame (the AdamW arm's raw
+kernels, per head), the Frobenius norm of every other weight, and the mean
+per-step movement ||W_{t+1} - W_t||_F of each Q/K frame over the chunk.
+Runs are saved per (arm, seed) with a checkpoint, so a stopped study resumes;
+a saved run is reused only under the same identity (configuration, the
+equations' md5, library numerics version: `benchmarks.harness`). Output goes to
+runs/grokking/<default|full|quick>/ (ignored by git) unless `--out` names a
+folder, e.g. one of the committed reference folders under
+benchmarks/results/grokking/. Each folder holds study.json (what was asked),
+runs/, an optional notes.md (included verbatim) and the results.json,
+table.md and plots that `benchmarks.reports.grokking` generates from the
+saved runs (as it does the RESULTS.md section).
+
+One module per concept:
+
+    config.py      the arms, `Config`, `Study` and their presets (default,
+                   full, quick), a run's identity and name
+    data.py        the equations, their seeded split and content id
+    model.py       the Transformer of a configuration, its evaluation and
+                   each arm's initial parameters
+    arms.py        each arm's optimizer
+    steps.py       the jitted training chunk and measurement
+    train.py       `train_run`: one run, saved and resumable
+    study.py       the study's jobs in order, split into parts, run with
+                   a time budget (`benchmarks.study.run_list`)
+    report.py      what the report reads: a folder's study and saved runs
+    cli.py         the command line: a study, its report, the section
+
+Run stores, identities and the machine record are `benchmarks.harness`'s;
+the resumable training loop is `benchmarks.training`'s, the runner of the
+study's jobs `benchmarks.study`'s; the tables, plots and section are
+`benchmarks.reports.grokking`'s. The names below are what the tests and
+other modules use.
+"""
+
+from benchmarks.grokking.cli import configure, main, parse_args
+from benchmarks.grokking.config import (DEFAULT_STUDY, PROBE_ARM, Config,
+                                        run_identity)
+from benchmarks.grokking.model import initial_params, make_model
+from benchmarks.grokking.report import load_study
+from benchmarks.grokking.train import train_run
