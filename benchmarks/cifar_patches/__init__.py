@@ -630,6 +630,3 @@ def main(argv=None) -> dict:
   print(f"results: {out}")
   return summary
 
-
-if __name__ == "__main__":
-  main()
