@@ -13,7 +13,8 @@ import optax
 import pytest
 
 import stiefel_optax as so
-from benchmarks import cifar_data, cifar_patches as cp, harness, stats
+from benchmarks import cifar_patches as cp, harness, stats
+from benchmarks.cifar_patches import data as cifar_data
 from benchmarks import study as study_lib
 from benchmarks.models import PatchViTConfig, patchify
 from benchmarks.reports import cifar as cifar_report

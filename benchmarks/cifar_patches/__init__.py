@@ -44,7 +44,8 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import cifar_data, harness, study as study_lib, training
+from benchmarks import harness, study as study_lib, training
+from benchmarks.cifar_patches import data as cifar_data
 from benchmarks.models import PatchViTConfig, Transformer
 from benchmarks.reports import cifar as report_lib
 

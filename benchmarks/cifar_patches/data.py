@@ -145,8 +145,7 @@ def load_batches(data_dir: os.PathLike, *, verify_md5: bool = True) -> Dataset:
 
 def default_subset_path() -> pathlib.Path:
   """../shared/data/cifar10-subset.npz relative to the repository root."""
-  repo = pathlib.Path(__file__).resolve().parent.parent
-  return repo.parent / "shared" / "data" / SUBSET_NAME
+  return harness.REPO.parent / "shared" / "data" / SUBSET_NAME
 
 
 def load_subset(path: Optional[os.PathLike] = None, *,
