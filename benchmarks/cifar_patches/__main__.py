@@ -1,7 +1,7 @@
 """`python -m benchmarks.cifar_patches`: see the package docstring and
-`main`."""
+`cli.main`."""
 
-from benchmarks import cifar_patches
+from benchmarks.cifar_patches import cli
 
 if __name__ == "__main__":
-  cifar_patches.main()
+  cli.main()
