@@ -8,14 +8,16 @@ import doctest
 import pytest
 
 from benchmarks import harness, models, stats, study, training
+from benchmarks.cifar_patches import config as cifar_config
 from benchmarks.lm import config as lm_config, study as lm_study
 from benchmarks.reports import cifar as cifar_report
 from benchmarks.speed import arms, cli, layout, timing, trees
 
 
 @pytest.mark.parametrize(
-    "module", [harness, models, stats, study, training, lm_config, lm_study,
-               cifar_report, arms, cli, layout, timing, trees],
+    "module", [harness, models, stats, study, training, cifar_config,
+               lm_config, lm_study, cifar_report, arms, cli, layout, timing,
+               trees],
     ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

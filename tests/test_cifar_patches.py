@@ -13,7 +13,8 @@ import optax
 import pytest
 
 import stiefel_optax as so
-from benchmarks import cifar_data, cifar_patches as cp, harness, stats
+from benchmarks import cifar_patches as cp, harness, stats
+from benchmarks.cifar_patches import data as cifar_data
 from benchmarks import study as study_lib
 from benchmarks.models import PatchViTConfig, patchify
 from benchmarks.reports import cifar as cifar_report
@@ -213,14 +214,14 @@ def test_competitor_arms_train(tmp_path):
   assert recs["muon"]["hp"] == inherit["muon"]
   assert recs["qk_norm"]["base"] == inherit["qk_norm"]
   assert recs["muon"]["qk_movement"] > 0 and recs["qk_norm"]["qk_movement"] > 0
-  params = cp.init_params(bench.model_of(cp.ARMS["qk_norm"]), cp.ARMS["qk_norm"], 0)
+  params = cp.init_params(bench.trainer.model_of(cp.ARMS["qk_norm"]), cp.ARMS["qk_norm"], 0)
   assert "query_ln" in params["block_0"]["attn"] and "key_ln" in params["block_0"]["attn"]
-  start = cp.init_params(bench.model, cp.ARMS["orthogonal_init"], 0)
+  start = cp.init_params(bench.trainer.model, cp.ARMS["orthogonal_init"], 0)
   assert float(so.max_isometry_error(start, "flax")) < 1e-5
-  plain = cp.init_params(bench.model, cp.ARMS["muon"], 0)
+  plain = cp.init_params(bench.trainer.model, cp.ARMS["muon"], 0)
   assert float(so.max_isometry_error(plain, "flax")) > 0.1
   assert float(so.max_isometry_error(cp.init_params(
-      bench.model, cp.ARMS["stiefel_muon"], 0), "flax")) < 1e-5
+      bench.trainer.model, cp.ARMS["stiefel_muon"], 0), "flax")) < 1e-5
 
 
 def test_per_coordinate_ablation_is_not_scale_free():

@@ -67,7 +67,7 @@ def block_shapes(i, d, heads, mlp, biases):
 
 def test_cifar_model_is_the_recorded_one():
   mcfg = cp.Config().model
-  # Part of every CIFAR run's identity (cifar_patches.fingerprint).
+  # Part of every CIFAR run's identity (cifar_patches.config.fingerprint).
   assert dataclasses.asdict(mcfg) == dict(patch=4, dim=64, heads=4, depth=2,
                                           mlp_ratio=2, num_classes=10)
   model = mcfg.build()

@@ -1,6 +1,8 @@
 """CIFAR-10 for the patch benchmark: the official python-version batches,
 the lossless subset (an .npz, e.g. ../shared/data/cifar10-subset.npz), or
-tiny synthetic images.
+tiny synthetic images; the validation split carved from the training
+images, and each seed's paired stream (its training subset and batch
+order, the same for every arm).
 
     ds = load_cifar10()                       # $CIFAR10_DIR, else the subset
     ds = load_cifar10("path/cifar10-subset.npz")     # any source: an .npz,
@@ -26,6 +28,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.cifar_patches.config import Config
 
 ENV_VAR = "CIFAR10_DIR"
 FOLDER = "cifar-10-batches-py"
@@ -145,8 +148,7 @@ def load_batches(data_dir: os.PathLike, *, verify_md5: bool = True) -> Dataset:
 
 def default_subset_path() -> pathlib.Path:
   """../shared/data/cifar10-subset.npz relative to the repository root."""
-  repo = pathlib.Path(__file__).resolve().parent.parent
-  return repo.parent / "shared" / "data" / SUBSET_NAME
+  return harness.REPO.parent / "shared" / "data" / SUBSET_NAME
 
 
 def load_subset(path: Optional[os.PathLike] = None, *,
@@ -211,3 +213,27 @@ def channel_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   xf = np.asarray(x, np.float64) / 255.0
   return (xf.mean(axis=(0, 1, 2)).astype(np.float32),
           xf.std(axis=(0, 1, 2)).astype(np.float32))
+
+
+# --------------------------------------------------------------------------
+# The validation split and the paired streams.
+
+
+def validation_split(n_train: int, cfg: Config):
+  """(pool, val) indices: a fixed random val split of the training images."""
+  perm = np.random.default_rng(cfg.val_seed).permutation(n_train)
+  return np.sort(perm[cfg.val_size:]), np.sort(perm[:cfg.val_size])
+
+
+def seed_stream(seed: int, pool: np.ndarray, n: int, cfg: Config):
+  """The training subset (n of pool) and the per-epoch batch order for
+  `seed`: the same for every arm. Returns idx (epochs, steps, batch)."""
+  if n > len(pool):
+    raise ValueError(f"n = {n} exceeds the {len(pool)} training images.")
+  if n < cfg.batch:
+    raise ValueError(f"n = {n} is smaller than a batch ({cfg.batch}).")
+  rng = np.random.default_rng(seed)
+  subset = pool[rng.permutation(len(pool))[:n]]
+  steps = n // cfg.batch
+  order = [subset[rng.permutation(n)[:steps * cfg.batch]] for _ in range(cfg.epochs)]
+  return np.stack(order).reshape(cfg.epochs, steps, cfg.batch).astype(np.int32)

@@ -1,0 +1,68 @@
+r"""CIFAR-10 patch benchmark: Stiefel-Adam on the attention Q/K kernels
+against AdamW, with data scaling, baselines and ablations (paired seeds).
+
+    python -m benchmarks.cifar_patches            # the full protocol, resumable
+    python -m benchmarks.cifar_patches --quick    # synthetic images, < 1 minute
+    python -m benchmarks.cifar_patches --data PATH --arms adamw stiefel rsgd \
+        --out DIR                                 # the main arms only
+    python -m benchmarks.cifar_patches ... --dry-run   # runs left, hours
+    python -m benchmarks.cifar_patches ... --time-budget 9000  # stops itself
+    python -m benchmarks.cifar_patches --report-only --out benchmarks/results/cifar \
+        --data PATH --results-md benchmarks/RESULTS.md   # the committed tables
+
+Every arm trains the same patch transformer (`benchmarks.models`,
+`PatchViTConfig`) with the same AdamW on every parameter
+except the attention query/key kernels, whose optimizer is the arm's recipe
+(an `optax.chain` of the library's transforms). Seed s fixes the training
+subset, the non-Q/K initialisation and the batch order for every arm. Each
+arm's hyperparameters (AdamW: lr x weight decay, also every arm's non-Q/K
+AdamW; Stiefel: Q/K lr x cap; RSGD: lr) are chosen on a validation split
+carved from the training images, by the mean over three tuning seeds, on
+grids widened until the choice is interior; the test images are only
+evaluated.
+Each finished run is written at once to <out>/runs/ (default runs/cifar/,
+ignored by git); a rerun skips it if its identity (configuration, data md5,
+library numerics version: `benchmarks.harness`) is unchanged. The protocol's
+seeds are the defaults: the main arms (adamw, stiefel, rsgd) at discovery
+seeds 0-7 and confirmation seeds 500-507 at every n, the other arms at 0-5
+and 500-505 at the largest n, all fixed before any run.
+
+One module per concept:
+
+    config.py   `Config` and its quick preset, the runs' identity
+                (`fingerprint`) and a run's file name (`run_name`)
+    data.py     the CIFAR-10 sources (the official batches, the subset's
+                .npz, synthetic images), the validation split and each
+                seed's paired stream
+    arms.py     each arm's Q/K recipe, start, frame layout and grid, the
+                registry `ARMS`, and an arm's whole-model optimizer
+    train.py    a run's start, its jitted epoch and evaluation, `Trainer`
+                (the images on device; one run, epoch by epoch)
+    study.py    the arms' groups and seeds, the report's families, `Bench`
+                (the study's runs planned, read, written and timed), the
+                lines a study prints
+    cli.py      the command line: plan and estimate, the runs, the report
+
+The model is `benchmarks.models`' patch transformer; run stores, identities
+and the machine record are `benchmarks.harness`'s; the scanned epoch and
+the per-head Muon are `benchmarks.training`'s; the plan, estimate and
+runner are `benchmarks.study`'s; the tables and the RESULTS.md section are
+`benchmarks.reports.cifar`'s.
+"""
+
+# The names of the one module this package was, so that the code using them
+# (the tests) keeps `from benchmarks import cifar_patches as cp; cp.ARMS`.
+from benchmarks.cifar_patches.arms import (
+    ARMS, BASE_KEYS, PER_HEAD, WHOLE_FRAME, Arm, frames_of, make_arms,
+    make_tx, qk_adamw, qk_frozen, qk_muon, qk_no_cap, qk_no_projection,
+    qk_per_coordinate, qk_rsgd, qk_stiefel, qk_stiefel_muon, schedule)
+from benchmarks.cifar_patches.cli import main, parse_args
+from benchmarks.cifar_patches.config import (Config, Task, fingerprint,
+                                             quick_config, run_name)
+from benchmarks.cifar_patches.data import seed_stream, validation_split
+from benchmarks.cifar_patches.study import (GROUPS, MAIN_SEEDS, OTHER_SEEDS,
+                                            Bench, describe, estimate_text,
+                                            families, study_arms)
+from benchmarks.cifar_patches.train import (Trainer, init_params,
+                                            make_epoch_fn, make_eval_fn,
+                                            normalize, orthonormal_start)

@@ -1,0 +1,52 @@
+"""What a run's result depends on besides its arm, hyperparameters, seed
+and n: `Config` and its quick preset, the runs' identity and a run's name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from benchmarks import harness, study as study_lib
+from benchmarks.models import PatchViTConfig
+
+Task = study_lib.Task
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything a run's result depends on besides (arm, hp, seed, n)."""
+  model: PatchViTConfig = PatchViTConfig(dim=64, heads=4, depth=2)
+  batch: int = 128
+  epochs: int = 20
+  warmup_frac: float = 0.05
+  val_size: int = 1000
+  val_seed: int = 12345
+  tune_seeds: tuple = (1000, 1001, 1002)
+  max_extensions: int = 3
+
+  def to_dict(self):
+    return dataclasses.asdict(self)
+
+
+def quick_config() -> Config:
+  return Config(model=PatchViTConfig(dim=16, heads=2, depth=1, mlp_ratio=2),
+                batch=32, epochs=2, val_size=64, tune_seeds=(1000,))
+
+
+def fingerprint(cfg: Config, source: str) -> str:
+  """The runs' identity: configuration, data content id (md5) and library
+  version; runs with another identity are not reused."""
+  return harness.identity(cfg.to_dict(), source)
+
+
+def run_name(task: Task) -> str:
+  """A run's file name: tune__<arm>__<point>__s<seed> for a tuning run,
+  <arm>__n<n>__s<seed> for a paired run (the committed runs' names).
+
+  >>> run_name(Task("tune", "stiefel", {"lr": 0.3, "cap": 0.1}, {}, 1000))
+  'tune__stiefel__cap0.1_lr0.3__s1000'
+  >>> run_name(Task("discovery", "adamw", {}, {}, 0, 8068))
+  'adamw__n8068__s0'
+  """
+  if task.stage == "tune":
+    return f"tune__{task.arm}__{study_lib.point_key(task.point)}__s{task.seed}"
+  return f"{task.arm}__n{task.size}__s{task.seed}"
