@@ -428,6 +428,21 @@ def test_each_family_has_its_own_holm_and_confirmation():
   assert "2 of 3 comparisons confirmed" in main_text
   assert "No confirmation runs" in ablation_text and "confirmed" not in ablation_text
   assert cifar_report.as_families(["adamw", "stiefel"]) == [(None, ["adamw", "stiefel"])]
+  # A family with a planned arm not run yet confirms nothing, although
+  # every comparison in its tables has its confirmation seeds: its Holm
+  # family will grow when that arm runs.
+  planned = dict(summary, families=[("main", ["adamw", "stiefel", "rsgd"]),
+                                    ("ablation", ["no_cap", "whole_frame"])])
+  more_conf = more + runs(["no_cap"], (500, 501, 502, 503))
+  planned["confirmation"] = cifar_report.family_tables(more_conf, fams,
+                                                       "confirmation")
+  main_text, ablation_text = cifar_report.claims_text(planned).split(
+      "Family `ablation`")
+  assert "2 of 3 comparisons confirmed" in main_text
+  assert "unfinished (whole_frame: no paired runs yet)" in ablation_text
+  assert "confirmed" not in ablation_text
+  assert "comparisons confirmed" in cifar_report.claims_text(
+      dict(planned, families=fams)).split("Family `ablation`")[1]
 
 
 def test_seeds_identity_and_run_store(tmp_path):

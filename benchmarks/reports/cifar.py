@@ -240,6 +240,7 @@ def report(out: pathlib.Path, arms: Sequence[str], data: Optional[str] = None,
   for r in runs:
     blocks.setdefault(harness.seed_block(r["seed"]), set()).add(r["seed"])
   summary = {
+      "families": as_families(arms),     # the planned arms, run or not
       "comparisons": rows, "paper_rows": paper_comparisons(recs),
       "paper_rows_confirmation": paper_comparisons(recs, "confirmation"),
       "confirmation": family_tables(recs, arms, "confirmation"),
@@ -354,21 +355,39 @@ def supplementary_text(out: pathlib.Path, arms: Sequence[str],
   return "\n".join(parts)
 
 
-def family_claims(disc: list, conf: list) -> tuple:
+def unrun_arms(rows, planned: Sequence[str]) -> list:
+  """The family's planned arms that no row of its table compares yet.
+
+  >>> unrun_arms([dict(treatment="muon", baseline="adamw")],
+  ...            ["muon", "qk_norm"])
+  ['qk_norm']
+  """
+  seen = {a for r in rows for a in (r["treatment"], r["baseline"])}
+  return [a for a in planned if a not in seen]
+
+
+def family_claims(disc: list, conf: list, unrun: Sequence[str] = ()
+                  ) -> tuple:
   """(status line, lines that follow) of one family under the claims
-  policy: no confirmation runs; an unfinished confirmation stage (an
-  interim table, not a test); or the confirmed comparisons."""
+  policy: no confirmation runs; an unfinished family (arms of it not run
+  yet: its Holm family will grow) or confirmation stage (an interim table,
+  not a test); or the confirmed comparisons."""
   if not conf:
     return ("No confirmation runs are in this folder yet, so none of these"
             " comparisons is a finding yet.", [])
+  interim = ["", "Confirmation runs so far (interim):", "",
+             markdown_table(conf)]
+  if unrun:
+    return (f"The family is unfinished ({', '.join(unrun)}: no paired runs"
+            " yet), so none of these comparisons is a finding yet. The"
+            " tables are not tests: the Holm family grows with the arms"
+            " still to run.", interim)
   if not stats.confirmation_complete(disc, conf, COMPARISON_KEY):
     return ("The confirmation stage is unfinished (not every comparison of"
             " the discovery table has as many confirmation seeds yet), so"
             " none of these comparisons is a finding yet. The interim"
             " confirmation table below is not a test: its seeds and its Holm"
-            " family are partial.",
-            ["", "Confirmation runs so far (interim):", "",
-             markdown_table(conf)])
+            " family are partial.", interim)
   found = stats.confirmed(disc, conf, COMPARISON_KEY)
   return (f"{len(found)} of {len(conf)} comparisons confirmed (Holm p < 0.05"
           " on the confirmation seeds, same sign as on discovery):",
@@ -389,9 +408,11 @@ def claims_text(summary: dict) -> str:
     head += f" Confirmation seeds run: {seeds['confirmation']}."
   disc, conf = by_family(summary["comparisons"]), by_family(
       summary.get("confirmation", []))
+  planned = dict(summary.get("families", []))
   lines = [head]
   for name, rows in disc.items():
-    status, rest = family_claims(rows, conf.get(name, []))
+    status, rest = family_claims(rows, conf.get(name, []),
+                                 unrun_arms(rows, planned.get(name, ())))
     if name is not None:
       lines += ["", f"{family_title(name, rows)}: {status}"]
     else:
