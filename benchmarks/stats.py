@@ -145,28 +145,43 @@ def _by_comparison(rows: list, key: Sequence[str]) -> dict:
   return {tuple(r[k] for k in key): r for r in rows if r is not None}
 
 
+def unrun_arms(rows: list, arms: Sequence[str]) -> list:
+  """The planned `arms` that no row of a comparison table (rows with
+  'treatment' and 'baseline'; None for a comparison not run) compares yet.
+
+  >>> unrun_arms([dict(treatment="muon", baseline="adamw"), None],
+  ...            ["muon", "qk_norm"])
+  ['qk_norm']
+  """
+  seen = {a for r in rows if r is not None
+          for a in (r["treatment"], r["baseline"])}
+  return [a for a in arms if a not in seen]
+
+
 def confirmation_complete(discovery: list, confirmation: list,
-                          key: Sequence[str] = ("treatment", "baseline")
-                          ) -> bool:
-  """Whether the confirmation table is complete: every comparison of the
+                          key: Sequence[str] = ("treatment", "baseline"),
+                          arms: Sequence[str] = ()) -> bool:
+  """Whether the confirmation table is complete: every planned arm (`arms`)
+  is in the discovery table (`unrun_arms`), and every comparison of the
   discovery table has its confirmation twin (rows agreeing on `key`) on at
   least as many seeds (the studies plan equal blocks, e.g. 8 + 8). Before
-  that, the confirmation table's Holm family and its seeds are partial, and
-  reading findings off it would be optional stopping."""
+  that, the Holm family or the confirmation seeds are partial, and reading
+  findings off them would be optional stopping."""
   second = _by_comparison(confirmation, key)
-  return bool(discovery) and all(
+  return bool(discovery) and not unrun_arms(discovery, arms) and all(
       c in second and len(second[c]["seeds"]) >= len(d["seeds"])
       for c, d in _by_comparison(discovery, key).items())
 
 
 def confirmed(discovery: list, confirmation: list,
-              key: Sequence[str] = ("treatment", "baseline")) -> list:
+              key: Sequence[str] = ("treatment", "baseline"),
+              arms: Sequence[str] = ()) -> list:
   """The claims policy: the confirmation rows that are findings, i.e. Holm
   p < 0.05 across the confirmation table (`with_holm`) and a mean
   difference of the same sign as the same comparison's (rows agreeing on
   `key`) on the discovery seeds; none until the confirmation table is
-  complete (`confirmation_complete`). A row without a discovery twin is no
-  finding.
+  complete (`confirmation_complete`, with the planned `arms`). A row
+  without a discovery twin is no finding.
 
   >>> d = [dict(treatment="a", baseline="b", seeds=[0, 1], mean_diff=1.0)]
   >>> c = dict(treatment="a", baseline="b", mean_diff=0.5, p_holm=0.01)
@@ -174,7 +189,7 @@ def confirmed(discovery: list, confirmation: list,
   >>> len(confirmed(d, [full])), len(confirmed(d, [short]))
   (1, 0)
   """
-  if not confirmation_complete(discovery, confirmation, key):
+  if not confirmation_complete(discovery, confirmation, key, arms):
     return []
   first = _by_comparison(discovery, key)
   out = []

@@ -388,6 +388,9 @@ def test_findings_need_confirmation_on_fresh_seeds():
   assert stats.confirmed(disc2, short, key) == []
   assert stats.confirmation_complete(disc2, done, key)
   assert len(stats.confirmed(disc2, done, key)) == 2
+  # ... and so is a study whose planned arms have not all run.
+  assert stats.confirmed(disc2, done, key, arms=["stiefel", "muon"]) == []
+  assert len(stats.confirmed(disc2, done, key, arms=["stiefel", "rsgd"])) == 2
   summary = dict(seeds=dict(discovery="0-1", confirmation="500-501"),
                  comparisons=disc2, confirmation=short)
   text = cifar_report.claims_text(summary)

@@ -355,17 +355,6 @@ def supplementary_text(out: pathlib.Path, arms: Sequence[str],
   return "\n".join(parts)
 
 
-def unrun_arms(rows, planned: Sequence[str]) -> list:
-  """The family's planned arms that no row of its table compares yet.
-
-  >>> unrun_arms([dict(treatment="muon", baseline="adamw")],
-  ...            ["muon", "qk_norm"])
-  ['qk_norm']
-  """
-  seen = {a for r in rows for a in (r["treatment"], r["baseline"])}
-  return [a for a in planned if a not in seen]
-
-
 def family_claims(disc: list, conf: list, unrun: Sequence[str] = ()
                   ) -> tuple:
   """(status line, lines that follow) of one family under the claims
@@ -412,7 +401,7 @@ def claims_text(summary: dict) -> str:
   lines = [head]
   for name, rows in disc.items():
     status, rest = family_claims(rows, conf.get(name, []),
-                                 unrun_arms(rows, planned.get(name, ())))
+                                 stats.unrun_arms(rows, planned.get(name, ())))
     if name is not None:
       lines += ["", f"{family_title(name, rows)}: {status}"]
     else:

@@ -368,7 +368,7 @@ def study_summary(study: Study, state: Mapping) -> dict:
       data=state["data"], tuning=tunings, arms=arms,
       reference=dict(seeds=sorted(ref), runs=ref),
       discovery=disc, confirmation=conf,
-      findings=stats.confirmed(disc, conf),
+      findings=stats.confirmed(disc, conf, arms=study.names),
       done=len(planned) - len(left), planned=len(planned),
       next=None if not left else f"{left[0].stage} {left[0].arm}",
       complete=not left and len(planned) > len(study.reference_seeds)
