@@ -220,8 +220,11 @@ def test_peer_tiny_run():
   (r,) = peer["rows"]
   assert r["ours_ms"] > 0 and r["geoopt_ms"] > 0
   assert r["ratio"] == pytest.approx(r["geoopt_ms"] / r["ours_ms"])
+  assert r["adamw_ms"] > 0
+  assert r["ratio_adamw"] == pytest.approx(r["geoopt_ms"] / r["adamw_ms"])
   # Both stay on the manifold in float32 after 20 small steps.
   assert r["ours_iso_err"] < 1e-5 and r["geoopt_iso_err"] < 1e-5
   assert r["start_iso_err"] < 1e-6
   from benchmarks.reports import speed as report  # pylint: disable=g-import-not-at-top
-  assert "geoopt / ours" in "\n".join(report.peer_lines({"peer": peer}))
+  lines = "\n".join(report.peer_lines({"peer": peer}))
+  assert "geoopt / ours" in lines and "geoopt / adamw" in lines

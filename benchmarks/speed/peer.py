@@ -152,13 +152,19 @@ def our_step(lr: float = PEER_LR, stacked=False):
   tx = so.stiefel_adam(lr)
   if stacked:
     tx = so.frame_partition(tx, None, so.FrameSpec(), stack_frames=stacked)
+  return tx, jitted_step(tx)
+
+
+def jitted_step(tx: optax.GradientTransformation):
+  """step(params, state, grads) -> (params, state): one jitted `tx` update
+  plus `optax.apply_updates`."""
 
   @jax.jit
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  return tx, step
+  return step
 
 
 def time_our_steps(step, params, state, grads, k: int):
@@ -190,9 +196,14 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
   frames."""
   params, grads = peer_arrays(w)
   ours = {}                              # name: [tx, step, params, state]
-  for name, stacked in (("ours", False), ("ours_stacked", True),
-                        ("ours_auto", "auto")):
-    tx, step = our_step(lr, stacked)
+  # optax.adamw on the same leaves: no Riemannian work, so its time is
+  # what the per-operation dispatch alone costs for these leaves (the
+  # ceiling of geoopt / ours for any optax transform on many small frames).
+  adamw = optax.adamw(lr)
+  for name, (tx, step) in (("ours", our_step(lr, False)),
+                           ("ours_stacked", our_step(lr, True)),
+                           ("ours_auto", our_step(lr, "auto")),
+                           ("adamw", (adamw, jitted_step(adamw)))):
     p, s = params, tx.init(params)
     for _ in range(warmup):              # compilation, then a warm step
       p, s = jax.block_until_ready(step(p, s, grads))
@@ -223,6 +234,8 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
           "ratio_stacked": t["geoopt"] / t["ours_stacked"],
           "ours_auto_ms": 1e3 * t["ours_auto"],
           "ratio_auto": t["geoopt"] / t["ours_auto"],
+          "adamw_ms": 1e3 * t["adamw"],
+          "ratio_adamw": t["geoopt"] / t["adamw"],
           "iso_steps": iso_steps,
           "ours_iso_err": our_isometry_after(ours["ours"][1], ours["ours"][0],
                                              start_params, grads, iso_steps),
