@@ -228,3 +228,27 @@ def test_peer_tiny_run():
   from benchmarks.reports import speed as report  # pylint: disable=g-import-not-at-top
   lines = "\n".join(report.peer_lines({"peer": peer}))
   assert "geoopt / ours" in lines and "geoopt / adamw" in lines
+  assert set(r["compiled_ops"]) == {"ours", "ours_stacked", "ours_auto",
+                                    "adamw"}
+  assert f"stacked {r['compiled_ops']['ours_stacked']}" in lines
+
+
+def test_compiled_ops_counts_the_kernels_a_step_launches():
+  """Stacking equal frames from 4 leaves runs the step once, not 4 times:
+  fewer launched operations; one fused add launches one."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from benchmarks.speed import peer as peer_lib  # pylint: disable=g-import-not-at-top
+  w = peer_lib.PeerWorkload("tiny", 4, (2, 16, 4), 1)
+  params, grads = peer_lib.peer_arrays(w)
+  counts = {}
+  for name, stacked in (("per_leaf", False), ("stacked", True)):
+    tx, step = peer_lib.our_step(stacked=stacked)
+    counts[name] = peer_lib.compiled_ops(step, params, tx.init(params), grads)
+  adamw = optax.adamw(1e-3)
+  counts["adamw"] = peer_lib.compiled_ops(
+      peer_lib.jitted_step(adamw), params, adamw.init(params), grads)
+  assert counts["stacked"] < counts["per_leaf"] / 2, counts
+  assert 4 <= counts["adamw"] < counts["per_leaf"], counts
+  assert peer_lib.compiled_ops(jax.jit(lambda x: 2 * x[0] + x[1]),
+                               params) == 1

@@ -175,6 +175,16 @@ def peer_lines(res) -> list:
             " work, so geoopt / adamw bounds what any optax transform"
             " reaches where per-operation dispatch, not arithmetic, sets"
             " the time (many small frames)."]
+  counted = [r for r in p["rows"] if "compiled_ops" in r]
+  if counted:
+    out += ["", "Operations per step in each compiled program (the entry"
+            " computation's fusions, dots, conditionals and copies, one"
+            " dispatched kernel each on CPU; where frames are small the"
+            " time follows this count): " + "; ".join(
+                f"{r['workload'].split(':')[0]}: ours {o['ours']}, stacked"
+                f" {o['ours_stacked']}, auto {o['ours_auto']}, optax.adamw"
+                f" {o['adamw']}" for r in counted
+                for o in [r["compiled_ops"]]) + "."]
   return out
 
 

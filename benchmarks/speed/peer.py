@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import queue
+import re
 import statistics
 import subprocess
 import tempfile
@@ -167,6 +168,22 @@ def jitted_step(tx: optax.GradientTransformation):
   return step
 
 
+# Instructions of a compiled entry computation that launch no work.
+_FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+
+
+def compiled_ops(step, *args) -> int:
+  """Operations in `step`'s compiled entry computation that launch work
+  (fusions, dots, conditionals, copies: one kernel or thunk each on CPU).
+  Where the frames are small, time per step follows this count, not the
+  arithmetic."""
+  text = step.lower(*args).compile().as_text()
+  entry = text[text.index("\nENTRY"):]
+  ops = re.findall(r"^\s*(?:ROOT )?%\S+ = .*? ([a-z][\w-]*)\(", entry,
+                   flags=re.M)
+  return sum(op not in _FREE_OPS for op in ops)
+
+
 def time_our_steps(step, params, state, grads, k: int):
   """(wall s, CPU s) per step over k steps in a row, the last one timed to
   `block_until_ready`, and the (params, state) they end with."""
@@ -208,6 +225,8 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
     for _ in range(warmup):              # compilation, then a warm step
       p, s = jax.block_until_ready(step(p, s, grads))
     ours[name] = [tx, step, p, s]
+  ops = {name: compiled_ops(o[1], params, o[0].init(params), grads)
+         for name, o in ours.items()}
   child.ask(cmd="setup", leaves=w.leaves, shape=list(w.shape), lr=lr,
             seed=PEER_SEED, warmup=warmup)
   times = {"geoopt": [], **{k: [] for k in ours}}
@@ -236,6 +255,7 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
           "ratio_auto": t["geoopt"] / t["ours_auto"],
           "adamw_ms": 1e3 * t["adamw"],
           "ratio_adamw": t["geoopt"] / t["adamw"],
+          "compiled_ops": ops,
           "iso_steps": iso_steps,
           "ours_iso_err": our_isometry_after(ours["ours"][1], ours["ours"][0],
                                              start_params, grads, iso_steps),
