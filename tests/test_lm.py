@@ -288,6 +288,26 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
   assert done["final"] == rec["final"]
   assert done["history"]["val_loss"] == rec["history"]["val_loss"]
   assert not list((other / "runs").glob("*.npz"))
+  # AdamW at another lr, off the plan, in the study's folder: a plain
+  # --report-only keeps the study's report and adds the sensitivity rows
+  # (every arm's paired runs against it, per seed block)
+  base = next(r for r in recs.values() if r["arm"] == "adamw"
+              and r["seed"] == 0 and r["config"]["max_iters"]
+              == rec["config"]["max_iters"])["config"]
+  alt = lm.config.Config(**{**base, "learning_rate": 3e-3, "min_lr": 3e-4})
+  for seed in (0, 1, 500, 501):
+    lm.train.train_run(alt, seed, corpus, out, log=lambda *_: None)
+  rep = lm.cli.main(["--report-only", "--out", str(out), "--quiet"])
+  assert "Tuning grid of adamw:" in rep["table"]
+  checks = rep["study"]["baseline_checks"]
+  assert [c["block"] for c in checks] == ["discovery", "confirmation"]
+  for c in checks:
+    assert c["baseline"] == f"adamw lr 0.003, wd {base['weight_decay']:g}"
+    assert sorted(r["treatment"] for r in c["rows"]) == sorted(s["arms"])
+    np.testing.assert_allclose([r["p_holm"] for r in c["rows"]],
+                               stats.holm([r["p"] for r in c["rows"]]))
+  assert (f"Against adamw lr 0.003, wd {base['weight_decay']:g} (floor"
+          " 0.0003), confirmation seeds:") in rep["table"]
 
 
 def _fake_runs(study, data, loss, arms, done=None):

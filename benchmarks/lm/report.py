@@ -5,6 +5,7 @@ library version), which it turns into the study's tables."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from typing import Mapping, Optional
 
@@ -43,11 +44,24 @@ def study_state(study: Study, done: Mapping, data_id: str) -> dict:
       reference={t.seed: r for t in ref if (r := runs.record(t)) is not None})
 
 
+def previous_study(out: pathlib.Path) -> Optional[str]:
+  """The study whose report out's results.json holds, or None."""
+  path = out / "results.json"
+  if not path.is_file():
+    return None
+  return (json.loads(path.read_text()).get("study") or {}).get("name")
+
+
 def write_report(out: pathlib.Path, study: Optional[str] = None) -> dict:
   """`benchmarks.reports.lm.report` of out's saved runs (results.json and
   table.md; its return value); with study (a key of STUDIES), the study's
-  report from its state read from those runs."""
+  report from its state read from those runs. Without study, a folder
+  whose report is a study's (its results.json names it) keeps it: runs
+  added outside the plan, or a plain `--report-only`, never turn a study's
+  report into the per-configuration tables."""
   records = harness.RunStore(out).records()
+  if study is None:
+    study = previous_study(out)
   if study is None:
     return report_lib.report(out, records, REPORT)
   spec = STUDIES[study]

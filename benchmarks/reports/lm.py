@@ -348,6 +348,63 @@ def comparison_table(study: Study, runs: Mapping, block: str) -> list:
       lambda c, role: pick(c[role], "train_loss"), lower_is_better=True)
 
 
+def version_of(rec: Mapping) -> str:
+  """The numerics version a run records (`harness.matches`' reading)."""
+  return rec.get("numerics_version", rec.get("library_version", ""))
+
+
+def baseline_checks(paired: Mapping, other: Mapping) -> list:
+  """How the study's rows move with its AdamW choice: for each adamw group
+  outside the plan (`other`, as `groups` gives) that differs from the
+  study's adamw runs only in lr, floor and weight decay, under the same
+  numerics version, every study arm's paired runs (`paired`: {arm: {seed:
+  rec}}) minus that group's, per seed block, Holm across each block's
+  rows. Sensitivity, never findings: the study's own tables are its Holm
+  family."""
+  ref = next(iter(paired.get("adamw", {}).values()), None)
+  if ref is None:
+    return []
+  free = LR_FIELDS + ("weight_decay",)
+  fixed = lambda c: {k: v for k, v in c.items() if k not in free}
+  out = []
+  for g in other.values():
+    c = g["config"]
+    if (c["arm"] != "adamw" or g["data"] != ref["data"]
+        or fixed(c) != fixed(ref["config"])):
+      continue
+    base = {sd: r for sd, r in g["runs"].items()
+            if version_of(r) == version_of(ref)}
+    label = f"adamw lr {c['learning_rate']:g}, wd {c['weight_decay']:g}"
+    for block in ("discovery", "confirmation"):
+      pick = lambda runs, key: {sd: r["final"][key] for sd, r in runs.items()
+                                if harness.seed_block(sd) == block}
+      arm_runs = lambda cmp, role: (paired[cmp["treatment"]]
+                                    if role == "treatment" else base)
+      rows = stats.comparison_rows(
+          [dict(treatment=a, baseline=label) for a in paired],
+          lambda cmp, role: pick(arm_runs(cmp, role), "val_loss_full"),
+          lambda cmp, role: pick(arm_runs(cmp, role), "train_loss"),
+          lower_is_better=True)
+      if rows:
+        out.append(dict(baseline=label, config=c, block=block, rows=rows))
+  return out
+
+
+def baseline_check_lines(checks: Sequence[Mapping]) -> list:
+  """The tables of `baseline_checks`."""
+  if not checks:
+    return []
+  lines = ["Sensitivity to the AdamW choice (not in the study's plan; not"
+           " findings): each arm's paired runs against AdamW at another"
+           " setting run in this folder at the study's configuration, per"
+           " seed block, Holm across each table's rows.", ""]
+  for ch in checks:
+    lines += [f"Against {ch['baseline']} (floor"
+              f" {ch['config']['min_lr']:g}), {ch['block']} seeds:", ""]
+    lines += harness.comparison_lines(ch["rows"], "val", 4, 4) + [""]
+  return lines
+
+
 def study_summary(study: Study, state: Mapping) -> dict:
   """Everything the study's report says, from the study's state
   (`benchmarks.lm.report.study_state`: the plan read against the finished
@@ -549,9 +606,11 @@ def report(out: pathlib.Path, records: Sequence[dict], experiment: Experiment,
     refs, comps = [], []
     lines = study_markdown(spec, summary, state["reference_config"],
                            experiment)
+    checks = baseline_checks(state["paired"], other)
+    lines += baseline_check_lines(checks)
     if other:
       lines += ["The other runs in this folder (not in the study's plan;"
-                " no comparisons):", ""]
+                " no comparisons beyond the sensitivity tables above):", ""]
       lines += setting_tables(other, [], [], experiment)
     if notes:
       lines += [notes, ""]
@@ -559,7 +618,10 @@ def report(out: pathlib.Path, records: Sequence[dict], experiment: Experiment,
     # The reference's records reduce to their names (the runs are saved).
     summary["reference"]["runs"] = {sd: r["name"] for sd, r in
                                     summary["reference"]["runs"].items()}
-    extra = dict(study=dict(name=study, **summary))
+    extra = dict(study=dict(name=study, **summary,
+                            baseline_checks=[{k: v for k, v in ch.items()
+                                              if k != "config"}
+                                             for ch in checks]))
   harness.write_json(out / "results.json", dict(
       meta=meta, references=refs, comparisons=comps,
       groups={k: dict(config=g["config"], data=g["data"],
