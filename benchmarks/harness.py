@@ -102,15 +102,19 @@ def identity(config: Mapping, data: str, version: Optional[str] = None) -> str:
                  else version})
 
 
+def recorded_version(rec: Mapping) -> str:
+  """The numerics version a saved run records (runs older than 0.4.0
+  record only their release, which was then the numerics version)."""
+  return rec.get("numerics_version", rec.get("library_version", ""))
+
+
 def matches(rec: Mapping, config: Optional[Mapping] = None,
             data: Optional[str] = None) -> bool:
   """Whether a saved run's identity is that of `config` (default: its own)
-  and `data` under the numerics version it records (runs older than 0.4.0
-  record only their release, which was then the numerics version)."""
+  and `data` under the numerics version it records (`recorded_version`)."""
   return rec.get("identity") == identity(
       rec.get("config") if config is None else config,
-      rec.get("data") if data is None else data,
-      rec.get("numerics_version", rec.get("library_version", "")))
+      rec.get("data") if data is None else data, recorded_version(rec))
 
 
 @functools.lru_cache(maxsize=None)

@@ -348,11 +348,6 @@ def comparison_table(study: Study, runs: Mapping, block: str) -> list:
       lambda c, role: pick(c[role], "train_loss"), lower_is_better=True)
 
 
-def version_of(rec: Mapping) -> str:
-  """The numerics version a run records (`harness.matches`' reading)."""
-  return rec.get("numerics_version", rec.get("library_version", ""))
-
-
 def baseline_checks(paired: Mapping, other: Mapping) -> list:
   """How the study's rows move with its AdamW choice: for each adamw group
   outside the plan (`other`, as `groups` gives) that differs from the
@@ -373,7 +368,8 @@ def baseline_checks(paired: Mapping, other: Mapping) -> list:
         or fixed(c) != fixed(ref["config"])):
       continue
     base = {sd: r for sd, r in g["runs"].items()
-            if version_of(r) == version_of(ref)}
+            if harness.recorded_version(r)
+            == harness.recorded_version(ref)}
     label = f"adamw lr {c['learning_rate']:g}, wd {c['weight_decay']:g}"
     for block in ("discovery", "confirmation"):
       pick = lambda runs, key: {sd: r["final"][key] for sd, r in runs.items()
