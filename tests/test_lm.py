@@ -297,17 +297,23 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
   alt = lm.config.Config(**{**base, "learning_rate": 3e-3, "min_lr": 3e-4})
   for seed in (0, 1, 500, 501):
     lm.train.train_run(alt, seed, corpus, out, log=lambda *_: None)
+  # and stiefel with that AdamW setting for its other weights, seeds 0-1
+  moved = lm.config.Config(**{**rec["config"], "learning_rate": 3e-3,
+                              "min_lr": 3e-4})
+  for seed in (0, 1):
+    lm.train.train_run(moved, seed, corpus, out, log=lambda *_: None)
   rep = lm.cli.main(["--report-only", "--out", str(out), "--quiet"])
   assert "Tuning grid of adamw:" in rep["table"]
   checks = rep["study"]["baseline_checks"]
   assert [c["block"] for c in checks] == ["discovery", "confirmation"]
-  for c in checks:
-    assert c["baseline"] == f"adamw lr 0.003, wd {base['weight_decay']:g}"
-    assert sorted(r["treatment"] for r in c["rows"]) == sorted(s["arms"])
+  setting = f"lr 0.003, wd {base['weight_decay']:g}"
+  for c, extra in zip(checks, ([f"stiefel, AdamW at {setting}"], [])):
+    assert c["baseline"] == f"adamw {setting}"
+    assert [r["treatment"] for r in c["rows"]] == list(s["arms"]) + extra
     np.testing.assert_allclose([r["p_holm"] for r in c["rows"]],
                                stats.holm([r["p"] for r in c["rows"]]))
-  assert (f"Against adamw lr 0.003, wd {base['weight_decay']:g} (floor"
-          " 0.0003), confirmation seeds:") in rep["table"]
+  assert (f"Against adamw {setting} (floor 0.0003), confirmation seeds:"
+          in rep["table"])
 
 
 def _fake_runs(study, data, loss, arms, done=None):

@@ -351,38 +351,54 @@ def comparison_table(study: Study, runs: Mapping, block: str) -> list:
 def baseline_checks(paired: Mapping, other: Mapping) -> list:
   """How the study's rows move with its AdamW choice: for each adamw group
   outside the plan (`other`, as `groups` gives) that differs from the
-  study's adamw runs only in lr, floor and weight decay, under the same
-  numerics version, every study arm's paired runs (`paired`: {arm: {seed:
-  rec}}) minus that group's, per seed block, Holm across each block's
-  rows. Sensitivity, never findings: the study's own tables are its Holm
-  family."""
+  study's adamw runs only in lr, floor and weight decay (its setting),
+  under the same numerics version, every study arm's paired runs
+  (`paired`: {arm: {seed: rec}}) minus that group's, then each arm's runs
+  outside the plan at its study configuration but with that setting for
+  its AdamW, per seed block, Holm across each block's rows. Sensitivity,
+  never findings: the study's own tables are its Holm family."""
   ref = next(iter(paired.get("adamw", {}).values()), None)
   if ref is None:
     return []
   free = LR_FIELDS + ("weight_decay",)
   fixed = lambda c: {k: v for k, v in c.items() if k not in free}
+  version = harness.recorded_version(ref)
+
+  def moved(arm: str, setting: Mapping) -> list:
+    """The groups of `other` that are arm's study runs moved to setting."""
+    study_config = next(iter(paired[arm].values()))["config"]
+    return [{sd: r for sd, r in g["runs"].items()
+             if harness.recorded_version(r) == version}
+            for g in other.values()
+            if g["config"]["arm"] == arm and g["data"] == ref["data"]
+            and fixed(g["config"]) == fixed(study_config)
+            and all(g["config"][k] == setting[k] for k in free)]
+
   out = []
-  for g in other.values():
-    c = g["config"]
-    if (c["arm"] != "adamw" or g["data"] != ref["data"]
-        or fixed(c) != fixed(ref["config"])):
+  for c in {harness.digest(g["config"]): g["config"] for g in other.values()
+            if g["config"]["arm"] == "adamw"}.values():
+    (base,) = moved("adamw", c) or [None]
+    if base is None:
       continue
-    base = {sd: r for sd, r in g["runs"].items()
-            if harness.recorded_version(r)
-            == harness.recorded_version(ref)}
-    label = f"adamw lr {c['learning_rate']:g}, wd {c['weight_decay']:g}"
+    setting = f"lr {c['learning_rate']:g}, wd {c['weight_decay']:g}"
+    arms = dict(paired)
+    for a in paired:
+      if a != "adamw":
+        for runs in moved(a, c):
+          arms[f"{a}, AdamW at {setting}"] = runs
     for block in ("discovery", "confirmation"):
       pick = lambda runs, key: {sd: r["final"][key] for sd, r in runs.items()
                                 if harness.seed_block(sd) == block}
-      arm_runs = lambda cmp, role: (paired[cmp["treatment"]]
-                                    if role == "treatment" else base)
+      runs_of = lambda cmp, role: (arms[cmp["treatment"]]
+                                   if role == "treatment" else base)
       rows = stats.comparison_rows(
-          [dict(treatment=a, baseline=label) for a in paired],
-          lambda cmp, role: pick(arm_runs(cmp, role), "val_loss_full"),
-          lambda cmp, role: pick(arm_runs(cmp, role), "train_loss"),
+          [dict(treatment=a, baseline=f"adamw {setting}") for a in arms],
+          lambda cmp, role: pick(runs_of(cmp, role), "val_loss_full"),
+          lambda cmp, role: pick(runs_of(cmp, role), "train_loss"),
           lower_is_better=True)
       if rows:
-        out.append(dict(baseline=label, config=c, block=block, rows=rows))
+        out.append(dict(baseline=f"adamw {setting}", config=c, block=block,
+                        rows=rows))
   return out
 
 
@@ -392,8 +408,10 @@ def baseline_check_lines(checks: Sequence[Mapping]) -> list:
     return []
   lines = ["Sensitivity to the AdamW choice (not in the study's plan; not"
            " findings): each arm's paired runs against AdamW at another"
-           " setting run in this folder at the study's configuration, per"
-           " seed block, Holm across each table's rows.", ""]
+           " setting run in this folder at the study's configuration, and"
+           " the arms run with that setting for their own AdamW weights"
+           " (rows named \"arm, AdamW at ...\"), per seed block, Holm"
+           " across each table's rows.", ""]
   for ch in checks:
     lines += [f"Against {ch['baseline']} (floor"
               f" {ch['config']['min_lr']:g}), {ch['block']} seeds:", ""]
