@@ -375,9 +375,9 @@ def baseline_checks(paired: Mapping, other: Mapping) -> list:
             and all(g["config"][k] == setting[k] for k in free)]
 
   out = []
-  for c in {harness.digest(g["config"]): g["config"] for g in other.values()
-            if g["config"]["arm"] == "adamw"}.values():
-    (base,) = moved("adamw", c) or [None]
+  for c in (g["config"] for g in other.values()
+            if g["config"]["arm"] == "adamw" and g["data"] == ref["data"]):
+    base = next(iter(moved("adamw", c)), None)   # this group, if it moved
     if base is None:
       continue
     setting = f"lr {c['learning_rate']:g}, wd {c['weight_decay']:g}"

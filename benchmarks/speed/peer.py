@@ -225,8 +225,8 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
     for _ in range(warmup):              # compilation, then a warm step
       p, s = jax.block_until_ready(step(p, s, grads))
     ours[name] = [tx, step, p, s]
-  ops = {name: compiled_ops(o[1], params, o[0].init(params), grads)
-         for name, o in ours.items()}
+  ops = {name: compiled_ops(step, p, s, grads)
+         for name, (_, step, p, s) in ours.items()}
   child.ask(cmd="setup", leaves=w.leaves, shape=list(w.shape), lr=lr,
             seed=PEER_SEED, warmup=warmup)
   times = {"geoopt": [], **{k: [] for k in ours}}
