@@ -4,7 +4,9 @@
 #       with stack_frames=True and "auto") against optax.adamw on GPT-2-small
 #       shapes (benchmarks/speed's update and train_step comparisons; its
 #       CPU-only retraction table is left out), and its native-layout probe
-#       (do XLA's GPU dots take the (d, heads, r) kernels without copies?);
+#       (do XLA's GPU dots take the (d, heads, r) kernels without copies?)
+#       and the two forms of the Gram product (is the contraction, which
+#       geometry.gram uses off CPU, the faster one there?);
 #   (b) the language model at nanoGPT's shakespeare_char (GPU) config:
 #       6 layers, 6 heads, 384 wide, context 256, batch 64, 5,000 iters,
 #       lr 1e-3 -> 1e-4, dropout 0.2 (published AdamW val loss 1.4697),
@@ -52,7 +54,7 @@ cat "$OUT/machine.txt"
 import os, pathlib
 from benchmarks import harness
 from benchmarks.reports import speed as speed_report
-from benchmarks.speed import layout, train_step, trees, update
+from benchmarks.speed import gram, layout, train_step, trees, update
 toy = os.environ["TOY"] == "1"
 tree = trees.GPT2_QUICK if toy else trees.GPT2_SMALL
 lm = train_step.LM_QUICK if toy else train_step.LMConfig(
@@ -62,7 +64,9 @@ res = dict(machine=harness.machine(),
            update=update.update_comparison(tree, iters),
            train_step=train_step.train_step_comparison(lm, iters),
            layout=layout.layout_comparison(
-               *((2, 64, 4, 16) if toy else layout.LAYOUT_WORKLOAD), iters))
+               *((2, 64, 4, 16) if toy else layout.LAYOUT_WORKLOAD), iters),
+           gram=gram.gram_table(gram.GRAM_QUICK if toy else gram.GRAM_SHAPES,
+                                iters))
 out = pathlib.Path(os.environ["OUT"]) / "speed"
 harness.write_json(out / "speed.json", res, indent=1)
 md = speed_report.accelerator_markdown(res)

@@ -111,7 +111,32 @@ def gram(a: jax.Array, b: Optional[jax.Array] = None) -> jax.Array:
           f"gram: a has shape {tuple(a.shape)} but b has shape"
           f" {tuple(b.shape)}; A^T B needs the same rows d and batch axes"
           " (shape[:-1] equal).")
+  return jax.lax.platform_dependent(a, b, cpu=_gram_cpu,
+                                    default=_gram_contraction)
+
+
+def _gram_contraction(a: jax.Array, b: jax.Array) -> jax.Array:
+  """A^T B as one contraction over d: the form GPU and TPU dots take
+  natively (a transposed operand is a flag of the GEMM, not a copy)."""
   return jnp.einsum("...dr,...ds->...rs", a, b)
+
+
+def _gram_cpu(a: jax.Array, b: jax.Array) -> jax.Array:
+  """A^T B on CPU: A^T materialised, then a plain batched matmul.
+
+  XLA's CPU backend (jaxlib 0.10) sends a batched dot whose left operand
+  contracts over its second-to-last axis to a generic loop over the batch,
+  but a plain (..., r, d) @ (..., d, s) matmul to its batched GEMM library;
+  the barrier keeps the algebraic simplifier from folding the transpose
+  back into the dot. Measured by `python -m benchmarks.speed` (table 8):
+  1.7-2x faster for 32 frames of (64, 16) and for GPT-2 small's
+  (12, 768, 64) kernels, the copy included. Where A is both operands or
+  several products share it, the one copy of A^T serves them all (common
+  subexpressions). The summation order differs from the contraction's:
+  results agree to rounding.
+  """
+  a_t = jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
+  return a_t @ b
 
 
 def frame_norm(x: jax.Array) -> jax.Array:

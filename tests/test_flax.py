@@ -292,11 +292,16 @@ def test_weight_decay_leaves_frames_untouched(linen_params):
       p = optax.apply_updates(p, u)
     return _leaves_by_path(p)
 
-  for run in (run_injected, run_default):
+  # One compiled program (injected decay): bit for bit. Two programs (the
+  # decay a constant): XLA may fuse the Stiefel step differently around the
+  # AdamW group, so they agree to rounding, 1e-6; a decay reaching a frame
+  # would move it by about lr * wd = 5e-4 per step.
+  for run, atol in ((run_injected, 0.0), (run_default, 1e-6)):
     no_decay, decay = run(0.0), run(0.5)
     for p in start:
       if p in sel:
-        np.testing.assert_array_equal(decay[p], no_decay[p], err_msg=p)
+        np.testing.assert_allclose(decay[p], no_decay[p], rtol=0, atol=atol,
+                                   err_msg=f"{p} ({run.__name__})")
         assert float(jnp.max(jnp.abs(decay[p] - start[p]))) > 1e-3
     # The decay acts on every Euclidean kernel: smaller than without it.
     for p in ("attn/value/kernel", "attn/out/kernel", "mlp_in/kernel",

@@ -96,6 +96,27 @@ def test_sym(normal):
                              atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gram_forms_agree_and_differentiate(x64, normal, dtype):
+  """Both forms of A^T B (`geometry.gram` takes the materialised one on
+  CPU, the contraction elsewhere) match NumPy to rounding, jitted, vmapped
+  and differentiated (the optimization barrier has autodiff rules)."""
+  dtype = jnp.dtype(dtype)
+  a = normal(7, (3, 16, 4)).astype(dtype)
+  b = normal(8, (3, 16, 5)).astype(dtype)
+  want = np.einsum("bdr,bds->brs", np.asarray(a, np.float64),
+                   np.asarray(b, np.float64))
+  tol = 1e-5 if dtype == jnp.float32 else 1e-12
+  for fn in (geometry.gram, geometry._gram_cpu, geometry._gram_contraction):  # pylint: disable=protected-access
+    np.testing.assert_allclose(jax.jit(fn)(a, b), want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(jax.vmap(fn)(a, b), want, rtol=tol, atol=tol)
+    # d/dA sum(A^T B) = B summed over its columns, in every row.
+    grad = jax.grad(lambda x, fn=fn: jnp.sum(fn(x, b)))(a)
+    np.testing.assert_allclose(
+        grad, np.broadcast_to(np.asarray(b).sum(-1, keepdims=True), a.shape),
+        rtol=tol, atol=tol)
+
+
 # ---------------------------------------------------------------------------
 # Tangent projection
 

@@ -39,7 +39,8 @@ def test_prints_and_writes_the_tables(quick):
   assert res["quick"]
   for title in ("One optimizer update", "Where the update's time goes",
                 "One training step", "Optimizer state of the Q/K kernels",
-                "Polar retraction", "Native layout against the frame view"):
+                "Polar retraction", "Native layout against the frame view",
+                "The Gram product W^T G"):
     assert title in md and title in stdout
 
 
@@ -63,9 +64,23 @@ def test_accelerator_report_renders_its_speed_part(quick):
   res, _, _ = quick
   md = report.accelerator_markdown(dict(
       machine=harness.machine(), update=res["update"][0],
-      train_step=res["train_step"], layout=res["layout"]))
+      train_step=res["train_step"], layout=res["layout"], gram=res["gram"]))
   assert md.startswith("Machine: ") and "| update: GPT-2-like" in md
   assert "| train step: causal LM" in md and "Native layout" in md
+  assert "The Gram product W^T G" in md
+
+
+def test_gram_rows_are_well_formed(quick):
+  res, _, _ = quick
+  from benchmarks.speed import gram  # pylint: disable=g-import-not-at-top
+  rows = res["gram"]["rows"]
+  assert [r["shape"] for r in rows] == [list(s) for s in gram.GRAM_QUICK]
+  for r in rows:
+    assert sorted(r["ms"]) == sorted(gram.FORMS)
+    assert all(v > 0 for v in r["ms"].values())
+    first, second = gram.FORMS
+    assert r["contraction_over_cpu_form"] == pytest.approx(
+        r["ms"][first] / r["ms"][second])
 
 
 def test_times_and_ratios_are_positive(quick):

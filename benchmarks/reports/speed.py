@@ -122,6 +122,23 @@ def layout_lines(res) -> list:
   return out
 
 
+def gram_lines(res) -> list:
+  r = res["gram"]
+  forms = list(r["rows"][0]["ms"])
+  out = ["## The Gram product W^T G, float32", ""]
+  out += harness.markdown_table(
+      ["frames (n, d, r)", *(f"{f}, ms" for f in forms),
+       "contraction / materialised"], "l" + "r" * (len(forms) + 1),
+      [[str(tuple(x["shape"])), *(f"{x['ms'][f]:.4f}" for f in forms),
+        f"{x['contraction_over_cpu_form']:.2f}"] for x in r["rows"]])
+  out += ["", "One jitted batched W^T G of each form, alternated, on"
+          f" {r['backend']}: one contraction over d, and A^T materialised"
+          " (a copy kept by an optimization barrier) then a plain batched"
+          " matmul. `stiefel_optax.geometry.gram` uses the second on CPU,"
+          " the first elsewhere."]
+  return out
+
+
 PEER_TITLE = ("## Peer: geoopt's RiemannianAdam on EuclideanStiefel"
               " (PyTorch, CPU)")
 
@@ -191,7 +208,8 @@ def peer_lines(res) -> list:
 # (key of speed.json, the lines of its section), in the order printed.
 MD_SECTIONS = (("update", update_lines), ("train_step", train_step_lines),
                ("state", state_lines), ("retraction", retraction_lines),
-               ("peer", peer_lines), ("layout", layout_lines))
+               ("peer", peer_lines), ("layout", layout_lines),
+               ("gram", gram_lines))
 
 
 def markdown(res: Dict[str, Any]) -> str:
@@ -215,7 +233,7 @@ def markdown(res: Dict[str, Any]) -> str:
 def accelerator_markdown(res: Dict[str, Any]) -> str:
   """speed.md of `benchmarks/accelerator.sh`'s part (a): the machine, one
   row each for the update and the training step (per leaf, stacked, auto,
-  each against adamw), then the native-layout table."""
+  each against adamw), then the native-layout and Gram-product tables."""
   rows = [[f"update: {res['update']['tree']}", res["update"]],
           [f"train step: {res['train_step']['model']}", res["train_step"]]]
   lines = harness.markdown_table(
@@ -225,5 +243,8 @@ def accelerator_markdown(res: Dict[str, Any]) -> str:
         f"{r['ratio']:.3f}", f"{r['stacked_ms']:.3f}",
         f"{r['stacked_ratio']:.3f}", f"{r['auto_ms']:.3f}",
         f"{r['auto_ratio']:.3f}"] for name, r in rows])
+  # Runs recorded before the Gram table existed have no "gram".
+  tables = [lines, layout_lines(res)] + (
+      [gram_lines(res)] if "gram" in res else [])
   return (f"Machine: {harness.machine_line(res['machine'])}\n\n"
-          + "\n".join(lines) + "\n\n" + "\n".join(layout_lines(res)) + "\n")
+          + "\n\n".join("\n".join(t) for t in tables) + "\n")

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Sequence
 import benchmarks.speed
 from benchmarks import harness
 from benchmarks.reports import speed as report_lib
-from benchmarks.speed import layout, peer, retraction, state, train_step
+from benchmarks.speed import gram, layout, peer, retraction, state, train_step
 from benchmarks.speed import trees, update
 
 ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
@@ -91,6 +91,8 @@ def run(quick: bool = False, out: Optional[str] = None,
   if not peer_only:
     section("layout", lambda: layout.layout_comparison(
         *((2, 64, 4, 16) if quick else layout.LAYOUT_WORKLOAD), iters))
+    section("gram", lambda: gram.gram_table(
+        gram.GRAM_QUICK if quick else gram.GRAM_SHAPES, iters))
   if res["peer"]["status"] != "ok":
     print(f"peer comparison (geoopt) {res['peer']['status']}:"
           f" {res['peer']['message']}", file=sys.stderr)

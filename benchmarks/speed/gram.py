@@ -1,0 +1,43 @@
+"""Table 8: the Gram product A^T B in its two forms, one batched call each.
+
+`geometry.gram` picks its form by platform: one contraction over d
+(`_gram_contraction`, GPU and TPU) or, on CPU, A^T materialised and a plain
+batched matmul (`_gram_cpu`). This table times both on the frames of the
+peer workloads and of GPT-2 small, alternated, so that the CPU choice is
+measured where it is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import jax
+import numpy as np
+
+from benchmarks.speed import timing
+from stiefel_optax import geometry
+
+# (frames, d, r): workload B stacked (8 leaves of 4 frames) and one of its
+# leaves; one GPT-2 small Q/K kernel (12 heads of 768 x 64).
+GRAM_SHAPES = ((32, 64, 16), (4, 64, 16), (12, 768, 64))
+GRAM_QUICK = ((4, 16, 4),)
+FORMS = {"contraction (einsum over d)": geometry._gram_contraction,  # pylint: disable=protected-access
+         "A^T materialised, batched matmul": geometry._gram_cpu}  # pylint: disable=protected-access
+
+
+def gram_table(shapes, iters: int) -> Dict[str, Any]:
+  """Median ms of W^T G per form for each (frames, d, r) in `shapes`, and
+  contraction / CPU form; `geometry.gram` uses the second on CPU."""
+  rng = np.random.default_rng(0)
+  rows = []
+  for shape in shapes:
+    w, g = (jax.numpy.asarray(rng.standard_normal(shape), jax.numpy.float32)
+            for _ in "wg")
+    t = timing.median_times(
+        {name: timing.call(jax.jit(fn), w, g) for name, fn in FORMS.items()},
+        iters)
+    first, second = FORMS
+    rows.append({"shape": list(shape),
+                 "ms": {name: 1e3 * t[name] for name in FORMS},
+                 "contraction_over_cpu_form": t[first] / t[second]})
+  return {"backend": jax.default_backend(), "rows": rows}
