@@ -80,6 +80,11 @@ Tables:
    each optimized program (`layout.transposes`), which show where XLA
    moves data.
 
+8. The Gram product W^T G in its two forms (`geometry.gram` picks one by
+   platform): one contraction over d, and A^T materialised then a plain
+   batched matmul (the CPU form), on workload B's stack and leaf and one
+   GPT-2 small kernel; ms, alternated.
+
 Results: `--out DIR` (default runs/speed for a full run, runs/speed_peer
 with --peer-only, none for --quick; `--out benchmarks/results` refreshes the
 committed figures) receives speed.json and speed.md (rendered by
@@ -102,6 +107,7 @@ workloads, what it times and the row it returns):
     peer.py          table 6, the parent side; peer_geoopt.py the child
                      side (torch and geoopt, no jax)
     layout.py        table 7: native layout against the frame view
+    gram.py          table 8: the two forms of the Gram product
     cli.py           `run` (the tables of one run), speed.json and speed.md,
                      the command line (`python -m benchmarks.speed`)
 
