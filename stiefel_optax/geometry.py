@@ -128,9 +128,10 @@ def _gram_cpu(a: jax.Array, b: jax.Array) -> jax.Array:
   contracts over its second-to-last axis to a generic loop over the batch,
   but a plain (..., r, d) @ (..., d, s) matmul to its batched GEMM library;
   the barrier keeps the algebraic simplifier from folding the transpose
-  back into the dot. Measured by `python -m benchmarks.speed` (table 8):
-  1.7-2x faster for 32 frames of (64, 16) and for GPT-2 small's
-  (12, 768, 64) kernels, the copy included. Where A is both operands or
+  back into the dot. Measured by `python -m benchmarks.speed` (table 8,
+  the copy included; 2026-12-03): 1.5x faster on a GPT-2 small kernel
+  (12, 768, 64), 2.45x on (4, 64, 16), and 1.1-2x from run to run on a
+  stack of 32 frames of (64, 16). Where A is both operands or
   several products share it, the one copy of A^T serves them all (common
   subexpressions). The summation order differs from the contraction's:
   results agree to rounding.

@@ -243,8 +243,6 @@ def accelerator_markdown(res: Dict[str, Any]) -> str:
         f"{r['ratio']:.3f}", f"{r['stacked_ms']:.3f}",
         f"{r['stacked_ratio']:.3f}", f"{r['auto_ms']:.3f}",
         f"{r['auto_ratio']:.3f}"] for name, r in rows])
-  # Runs recorded before the Gram table existed have no "gram".
-  tables = [lines, layout_lines(res)] + (
-      [gram_lines(res)] if "gram" in res else [])
+  tables = [lines, layout_lines(res), gram_lines(res)]
   return (f"Machine: {harness.machine_line(res['machine'])}\n\n"
           + "\n\n".join("\n".join(t) for t in tables) + "\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.speed import timing
@@ -29,14 +30,14 @@ def gram_table(shapes, iters: int) -> Dict[str, Any]:
   """Median ms of W^T G per form for each (frames, d, r) in `shapes`, and
   contraction / CPU form; `geometry.gram` uses the second on CPU."""
   rng = np.random.default_rng(0)
+  first, second = FORMS
   rows = []
   for shape in shapes:
-    w, g = (jax.numpy.asarray(rng.standard_normal(shape), jax.numpy.float32)
+    w, g = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
             for _ in "wg")
     t = timing.median_times(
         {name: timing.call(jax.jit(fn), w, g) for name, fn in FORMS.items()},
         iters)
-    first, second = FORMS
     rows.append({"shape": list(shape),
                  "ms": {name: 1e3 * t[name] for name in FORMS},
                  "contraction_over_cpu_form": t[first] / t[second]})
