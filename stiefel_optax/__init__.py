@@ -24,12 +24,13 @@ from stiefel_optax.initializers import orthonormal_heads_init, orthonormalize
 from stiefel_optax.diagnostics import (
     check_frames, frame_isometry_errors, frame_movement, max_isometry_error)
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 # The release whose numbers this code reproduces with every option at its
 # default: bumped only by a change to what a default-configured transform
 # computes (0.4.0 added the opt-in `stack_frames`; its defaults computed what
 # 0.3.0 did; 0.5.0 forms A^T B on CPU as a materialised transpose and a
 # plain matmul, the same products summed in another order, equal to
-# rounding). Benchmark run identities use it, so a study keeps its runs
+# rounding; 0.6.0 computes `stiefel_adam`'s chain in one pass, the step's
+# norm taken from the moment, equal to rounding). Benchmark run identities use it, so a study keeps its runs
 # across releases that leave the numbers alone.
-NUMERICS_VERSION = "0.5.0"
+NUMERICS_VERSION = "0.6.0"

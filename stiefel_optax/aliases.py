@@ -1,4 +1,5 @@
-"""Optimizers for Stiefel frames, each an `optax.chain` of the transforms.
+"""Optimizers for Stiefel frames, each an `optax.chain` of the transforms
+(`stiefel_adam`'s chain computed in one pass, with the chain's state).
 
 The leaves are frames (..., d, r); wrap with `partition.frame_partition` for
 kernels whose frames lie along other axes, or use `stiefel_attention`
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import jax
+import jax.numpy as jnp
 import optax
 
-from stiefel_optax import transforms
+from stiefel_optax import geometry, transforms
 
 DEFAULT_MAX_STEP_NORM = 0.1
 
@@ -82,12 +85,60 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
   # d x r x r products per step with the retraction); the first link only
   # checks the start. The state has the structure of the unfused chain
   # (project_to_tangent, scale_by_frame_adam, ...), so checkpoints restore.
-  return optax.chain(
-      transforms.check_orthonormal_start(orthonormal_start),
-      transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype,
-                                     project=True),
-      optax.scale_by_learning_rate(learning_rate),
-      *_cap_and_retract(max_step_norm, retraction))
+  links = (transforms.check_orthonormal_start(orthonormal_start),
+           transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype,
+                                          project=True),
+           optax.scale_by_learning_rate(learning_rate),
+           *_cap_and_retract(max_step_norm, retraction))
+  return optax.GradientTransformation(
+      optax.chain(*links).init,
+      _one_pass_update(links, b1, b2, eps, max_step_norm, retraction))
+
+
+def _one_pass_update(links, b1, b2, eps, max_step_norm, retraction: str):
+  """The update of `optax.chain(*links)`, `stiefel_adam`'s chain, with the
+  same state, computed in one pass: the links hand on per-frame scalars
+  instead of steps.
+
+  The step is xi = m s per frame, m the new moment and s = -lr scale
+  min(1, delta / (lr scale ||m||_F)) (`transforms.frame_adam_moments`), so
+  the cap and the retraction take ||xi||_F = |s| ||m||_F from the moment,
+  which the state stores anyway, and XLA fuses m s into W + xi: xi is
+  never written out. The chain writes the Adam step and the capped step
+  and reads each once more for its norm (four more passes over the
+  frames). Equal to the chain up to rounding (tests/test_transforms.py);
+  frames below float32 keep the step in float32 between the links, where
+  the chain rounds it to their dtype.
+  """
+  check, _, lr = links[:3]
+  radius = (None if max_step_norm is None
+            else transforms.static_float(max_step_norm))
+
+  def capped(m, s):
+    """(s, ||xi||_F) per frame after the cap."""
+    norm = geometry.frame_norm(m) * jnp.abs(s)
+    if max_step_norm is None:
+      return s, norm
+    factor = jnp.minimum(1.0, max_step_norm / jnp.maximum(norm, max_step_norm))
+    return s * factor, norm * factor
+
+  def update_fn(updates, state, params=None):
+    # The first link requires params and checks the shapes.
+    updates, check_state = check.update(updates, state[0], params)
+    m, scale, adam_state = transforms.frame_adam_moments(
+        updates, state[1], params, b1, b2, eps, project=True)
+    s, lr_state = lr.update(scale, state[2])           # -lr scale
+    s, norm = transforms.unzip(jax.tree.structure(updates),
+                               jax.tree.map(capped, m, s), 2)
+    u = jax.tree.map(
+        lambda m, s, n, w, g: transforms.retraction_update(
+            m * s[..., None, None], w, retraction, radius, step_norm=n,
+            out_dtype=g.dtype),
+        m, s, norm, params, updates)
+    # The cap and the retraction keep no state (EmptyState).
+    return u, (check_state, adam_state, lr_state, *state[3:])
+
+  return update_fn
 
 
 def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,

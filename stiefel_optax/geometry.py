@@ -650,7 +650,8 @@ def polar(a: jax.Array, method: str = "eigh", *,
 def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
             max_step_norm: Optional[float] = None,
             num_steps: Optional[int] = None,
-            tangent: bool = True) -> jax.Array:
+            tangent: bool = True,
+            step_norm: Optional[jax.Array] = None) -> jax.Array:
   """Polar retraction R_W(xi) = polar(W + xi), correct for any full-rank W + xi.
 
   The r x r matrix inverted is M = (W + xi)^T (W + xi), formed from W + xi
@@ -696,6 +697,12 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
 
   num_steps given: exactly that many steps with the scale from the step
   norm, no certificate and no fallback (to measure the iteration).
+
+  step_norm: ||xi||_F per frame (shape xi.shape[:-2]) where the caller
+  already has it (`stiefel_adam` takes it from its momentum), so that xi
+  is not read once more for it; None: computed here. Only the
+  Newton–Schulz scale uses it, and the certificate checks the result, so
+  a value off by rounding (or by more) costs at most the fallback.
 
   Costs and limits. Fast path: the two d x r x r products of M and A Z, one
   r x r product for the first step and three for each other, plus two
@@ -743,7 +750,12 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
     eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=cdtype), m.shape)
     inf = jnp.full(m.shape[:-2], jnp.inf, cdtype)
     return _certified_polar(a, m, eye, inf).astype(w.dtype)
-  lo, hi = step_spectrum(frame_norm(xi_c), tangent)
+  if step_norm is None:
+    step_norm = frame_norm(xi_c)
+  else:
+    check_same_shape("retract", "step_norm", jnp.shape(step_norm),
+                     "the frames of xi", xi.shape[:-2])
+  lo, hi = step_spectrum(jnp.asarray(step_norm, cdtype), tangent)
   c = 0.5 * (lo + hi)
   tol = newton_schulz_tol(cdtype)
   r = w.shape[-1]

@@ -79,11 +79,11 @@ def _per_frame(fn, *trees):
   return jax.tree.map(leaf, *trees)
 
 
-def unzip3(treedef, tree):
-  """Splits a tree of 3-tuples (with outer structure treedef) into 3 trees."""
+def unzip(treedef, tree, n: int):
+  """Splits a tree of n-tuples (with outer structure treedef) into n trees."""
   leaves = treedef.flatten_up_to(tree)
   return tuple(treedef.unflatten([leaf[i] for leaf in leaves])
-               for i in range(3))
+               for i in range(n))
 
 
 # --------------------------------------------------------------------------
@@ -357,46 +357,63 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   def update_fn(updates, state, params=None):
     _require_params(params, "scale_by_frame_adam")
     check_update_shapes(updates, params, "scale_by_frame_adam")
-    count = optax.safe_increment(state.count)
-
-    def leaf(g_in, m, v, w):
-      cdtype = geometry.compute_dtype(w.dtype)
-      # Bias corrections in the frame's compute dtype (float64 frames get
-      # float64 corrections, not float32 ones).
-      t = count.astype(cdtype)
-      bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
-      g, m_c, w = g_in.astype(cdtype), m.astype(cdtype), w.astype(cdtype)
-      # ||g||^2 is NaN or Inf iff g holds a NaN or Inf (or overflows it):
-      # the reduction that v needs anyway is the finiteness test, with no
-      # boolean array written. A non-finite g then only reaches values that
-      # the selects below replace, so g itself needs no select.
-      if project:
-        mix = b1 * m_c + (1.0 - b1) * g
-        # W^T mix from W^T m and W^T G: the second also gives ||P_W G||^2.
-        a = geometry.gram(w, g)
-        g_sq = tangent_sq_norm(w, g, a)
-        m_new = mix - w @ geometry.sym(b1 * geometry.gram(w, m_c)
-                                       + (1.0 - b1) * a)
-      else:
-        g_sq = jnp.sum(jnp.square(g), axis=(-2, -1))
-        if transport_momentum:
-          m_c = geometry.project_tangent(w, m_c)
-        m_new = b1 * m_c + (1.0 - b1) * g
-      finite = jnp.isfinite(g_sq)
-      v_new = b2 * v + (1.0 - b2) * g_sq
-      m_new = jnp.where(finite[..., None, None], m_new, m.astype(cdtype))
-      v_new = jnp.where(finite, v_new, v)
-      denom = jnp.sqrt(v_new / bc2) + eps
-      scale = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
-      u = (m_new / bc1) * scale[..., None, None]
-      u = jnp.where(finite[..., None, None], u, 0.0)
-      return u.astype(g_in.dtype), m_new.astype(m.dtype), v_new
-
-    out = jax.tree.map(leaf, updates, state.mu, state.nu, params)
-    u, mu, nu = unzip3(jax.tree.structure(updates), out)
-    return u, ScaleByFrameAdamState(count, mu, nu)
+    m, scale, state = frame_adam_moments(updates, state, params, b1, b2, eps,
+                                         transport_momentum, project)
+    u = jax.tree.map(lambda m, s, g: (m * s[..., None, None]).astype(g.dtype),
+                     m, scale, updates)
+    return u, state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def frame_adam_moments(updates, state: ScaleByFrameAdamState, params,
+                       b1, b2, eps, transport_momentum: bool = True,
+                       project: bool = False):
+  """`scale_by_frame_adam`'s update as (m, scale, new state): its step is
+  u = m * scale per frame, m the new first moment in the compute dtype and
+  scale = 1 / ((1 - b1^t) (sqrt(v / (1 - b2^t)) + eps)) one scalar per
+  frame, 0 for a skipped frame (non-finite gradient; its m is its old
+  moment) and for v = 0. Kept apart so that a fused step can take
+  ||u||_F = ||m||_F scale without writing u out.
+  """
+  count = optax.safe_increment(state.count)
+
+  def leaf(g_in, m, v, w):
+    cdtype = geometry.compute_dtype(w.dtype)
+    # Bias corrections in the frame's compute dtype (float64 frames get
+    # float64 corrections, not float32 ones).
+    t = count.astype(cdtype)
+    bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+    g, m_c, w = g_in.astype(cdtype), m.astype(cdtype), w.astype(cdtype)
+    # ||g||^2 is NaN or Inf iff g holds a NaN or Inf (or overflows it):
+    # the reduction that v needs anyway is the finiteness test, with no
+    # boolean array written. A non-finite g then only reaches values that
+    # the selects below replace, so g itself needs no select.
+    if project:
+      mix = b1 * m_c + (1.0 - b1) * g
+      # W^T mix from W^T m and W^T G: the second also gives ||P_W G||^2.
+      a = geometry.gram(w, g)
+      g_sq = tangent_sq_norm(w, g, a)
+      m_new = mix - w @ geometry.sym(b1 * geometry.gram(w, m_c)
+                                     + (1.0 - b1) * a)
+    else:
+      g_sq = jnp.sum(jnp.square(g), axis=(-2, -1))
+      if transport_momentum:
+        m_c = geometry.project_tangent(w, m_c)
+      m_new = b1 * m_c + (1.0 - b1) * g
+    finite = jnp.isfinite(g_sq)
+    v_new = b2 * v + (1.0 - b2) * g_sq
+    m_new = jnp.where(finite[..., None, None], m_new, m.astype(cdtype))
+    v_new = jnp.where(finite, v_new, v)
+    denom = jnp.sqrt(v_new / bc2) + eps
+    live = finite & (denom > 0)
+    scale = jnp.where(live, 1.0 / (bc1 * jnp.where(live, denom, 1.0)), 0.0)
+    return m_new, scale, v_new
+
+  out = jax.tree.map(leaf, updates, state.mu, state.nu, params)
+  m, scale, nu = unzip(jax.tree.structure(updates), out, 3)
+  mu = jax.tree.map(lambda m_new, m: m_new.astype(m.dtype), m, state.mu)
+  return m, scale, ScaleByFrameAdamState(count, mu, nu)
 
 
 # --------------------------------------------------------------------------
@@ -506,14 +523,22 @@ def retract_polar(method: str = "newton_schulz", *,
     _require_params(params, "retract_polar")
     check_update_shapes(updates, params, "retract_polar")
 
-    def leaf(xi, w):
-      cdtype = geometry.compute_dtype(w.dtype)
-      w_c = w.astype(cdtype)
-      # The fast path's count follows from the radius and the compute dtype.
-      new = geometry.retract(w_c, xi.astype(cdtype), method,
-                             max_step_norm=radius, tangent=tangent)
-      return (new - w_c).astype(xi.dtype)
-
-    return jax.tree.map(leaf, updates, params), state
+    return jax.tree.map(
+        lambda xi, w: retraction_update(xi, w, method, radius, tangent,
+                                        out_dtype=xi.dtype),
+        updates, params), state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def retraction_update(xi, w, method: str, radius: Optional[float],
+                      tangent: bool = True, step_norm=None, *, out_dtype):
+  """polar(W + xi) - W for one leaf, computed in W's compute dtype, cast
+  to out_dtype; `step_norm` (||xi||_F per frame, when the caller has it)
+  spares `geometry.retract` its own pass over xi."""
+  cdtype = geometry.compute_dtype(w.dtype)
+  w_c = w.astype(cdtype)
+  # The fast path's count follows from the radius and the compute dtype.
+  new = geometry.retract(w_c, xi.astype(cdtype), method, max_step_norm=radius,
+                         tangent=tangent, step_norm=step_norm)
+  return (new - w_c).astype(out_dtype)

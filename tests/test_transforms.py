@@ -674,6 +674,110 @@ def test_stiefel_adam_state_keeps_the_unfused_chains_structure():
   chex.assert_trees_all_equal_shapes_and_dtypes(new_state, old_state)
 
 
+def _stiefel_adam_chain(learning_rate, max_step_norm=0.1,
+                        retraction="newton_schulz", mu_dtype=None):
+  """`stiefel_adam`'s links as a plain `optax.chain` (the reference of its
+  one-pass update)."""
+  cap = ([] if max_step_norm is None else [so.clip_frame_norm(max_step_norm)])
+  radius = max_step_norm if isinstance(max_step_norm, float) else None
+  return optax.chain(
+      so.check_orthonormal_start(),
+      so.scale_by_frame_adam(mu_dtype=mu_dtype, project=True),
+      optax.scale_by_learning_rate(learning_rate), *cap,
+      so.retract_polar(retraction, max_step_norm=radius))
+
+
+ONE_PASS_CASES = {
+    "default": (dict(learning_rate=0.05), jnp.float32, 1e-4),
+    "long steps, capped": (dict(learning_rate=3.0), jnp.float32, 1e-4),
+    "no cap": (dict(learning_rate=0.05, max_step_norm=None), jnp.float32,
+               1e-4),
+    "schedule": (dict(learning_rate=optax.cosine_decay_schedule(0.3, 6)),
+                 jnp.float32, 1e-4),
+    "eigh": (dict(learning_rate=0.05, retraction="eigh"), jnp.float32, 1e-4),
+    "bf16 moment": (dict(learning_rate=0.05, mu_dtype=jnp.bfloat16),
+                    jnp.float32, 1e-4),
+    "bf16 frames": (dict(learning_rate=0.05), jnp.bfloat16, 2e-2),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_PASS_CASES))
+def test_stiefel_adam_one_pass_equals_its_chain(case):
+  """`stiefel_adam`'s update (the links hand on per-frame scalars, xi is
+  never written out) equals the explicit chain of its links over 6 steps
+  on moving frames, with the same state tree: one step's gradient holds a
+  NaN in one frame (skipped by both), one is nearly normal (the
+  cancellation branch). bf16 frames: the chain rounds the step to bf16
+  between links, the one-pass update does not."""
+  kw, dtype, tol = ONE_PASS_CASES[case]
+  params = {"a": frames(40, (3, 32, 8), dtype), "b": frames(41, (16, 4), dtype)}
+  one, ref = so.stiefel_adam(**kw), _stiefel_adam_chain(**kw)
+  s_one, s_ref = one.init(params), ref.init(params)
+  assert jax.tree.structure(s_one) == jax.tree.structure(s_ref)
+  step = jax.jit(lambda tx, g, s, w: tx.update(g, s, w), static_argnums=0)
+  w = params
+  for t in range(6):
+    g = jax.tree.map(lambda x, k: normal(50 + 10 * t + k, x.shape, dtype),
+                     w, {"a": 0, "b": 1})
+    if t == 2:
+      g["a"] = g["a"].at[1, 0, 0].set(jnp.nan)
+    if t == 3:
+      g["a"] = (300.0 * w["a"].astype(jnp.float32) @ geometry.sym(
+          normal(60, (3, 8, 8))) + 1e-2 * g["a"]).astype(dtype)
+    v_before = s_one[1].nu["a"][1]
+    u_one, s_one = step(one, g, s_one, w)
+    u_ref, s_ref = step(ref, g, s_ref, w)
+    for k in w:
+      assert rel(u_one[k], u_ref[k]) < tol, (t, k)
+    # The NaN frame is skipped: its second moment stays, and it moves by
+    # polar(W) - W only (rounding; bf16 frames round far off the manifold).
+    assert bool(s_one[1].nu["a"][1] == v_before) == (t == 2), t
+    if t == 2 and dtype == jnp.float32:
+      assert float(jnp.max(jnp.abs(u_one["a"][1]))) < 1e-6
+    chex.assert_trees_all_equal_shapes_and_dtypes(s_one, s_ref)
+    chex.assert_trees_all_close(s_one, s_ref, rtol=tol, atol=tol)
+    w = optax.apply_updates(w, u_one)
+  chex.assert_tree_all_finite(w)
+
+
+def test_stiefel_adam_one_pass_with_injected_hyperparameters():
+  """A traced learning rate and trust region (`optax.inject_hyperparams`)
+  change between steps as they do in the explicit chain."""
+  w = frames(42, (2, 16, 4))
+  one = optax.inject_hyperparams(so.stiefel_adam)(0.1, max_step_norm=0.1)
+  ref = optax.inject_hyperparams(_stiefel_adam_chain)(0.1, max_step_norm=0.1)
+  s_one, s_ref = one.init(w), ref.init(w)
+  step = jax.jit(lambda tx, g, s, w: tx.update(g, s, w), static_argnums=0)
+  for t, (lr, cap) in enumerate([(0.1, 0.1), (2.0, 0.05), (0.01, 1.0)]):
+    for s in (s_one, s_ref):
+      s.hyperparams["learning_rate"] = jnp.asarray(lr)
+      s.hyperparams["max_step_norm"] = jnp.asarray(cap)
+    g = normal(70 + t, w.shape)
+    u_one, s_one = step(one, g, s_one, w)
+    u_ref, s_ref = step(ref, g, s_ref, w)
+    assert rel(u_one, u_ref) < 1e-4, t
+    assert float(jnp.max(geometry.frame_norm(u_one))) <= cap * 1.01
+    w = optax.apply_updates(w, u_one)
+
+
+def test_retract_takes_the_callers_step_norm():
+  """`retract(..., step_norm=n)` with n = ||xi||_F equals the retraction
+  that measures xi itself; a wrong n (or one of the wrong shape) is caught:
+  the certificate sends it to the fallback, the shape check raises."""
+  w = frames(43, (3, 16, 4))
+  xi = 0.1 * so.project_tangent(w, normal(44, w.shape))
+  own = geometry.retract(w, xi, max_step_norm=0.5)
+  given = geometry.retract(w, xi, max_step_norm=0.5,
+                           step_norm=geometry.frame_norm(xi))
+  assert rel(given, own) < 1e-6
+  off = geometry.retract(w, 10.0 * xi, max_step_norm=0.5,
+                         step_norm=jnp.zeros(3))       # far too small
+  assert float(jnp.max(so.isometry_error(off))) < 1e-5
+  assert rel(off, geometry.retract(w, 10.0 * xi, "eigh")) < 1e-5
+  with pytest.raises(ValueError, match="step_norm"):
+    geometry.retract(w, xi, step_norm=jnp.zeros(2))
+
+
 def test_fused_moment_needs_transport():
   with pytest.raises(ValueError, match="transport_momentum=True"):
     so.scale_by_frame_adam(project=True, transport_momentum=False)
