@@ -411,8 +411,23 @@ def _newton_schulz_fixed(y: jax.Array, num_steps: int):
   The first step from Z = I needs one product (Z Y = Y, T Z = T), the others
   three; the certificate adds no product (Y after the last step is not
   needed), only the reduction rho.
+
+  Two steps (the float32 fast path under the default trust region) are
+  evaluated as the polynomial they are: all iterates are polynomials in
+  E = Y - I, so Z_1 = I - E/2, R_1 = Z_1 Y_1 - I = (E^3 - 3 E^2) / 4 and
+  Z_2 = (I - R_1/2) Z_1 = I - E/2 + 3E^2/8 - 5E^3/16 + E^4/16. The same
+  three products (E^2, then E^3 and E^4, which do not wait for each other)
+  with fewer elementwise passes between them; equal to stepping up to
+  rounding.
   """
   eye = jnp.eye(y.shape[-1], dtype=y.dtype)
+  if num_steps == 2:
+    e = y - eye
+    e2 = e @ e
+    e3, e4 = e2 @ e, e2 @ e2
+    z = eye - 0.5 * e + 0.375 * e2 - 0.3125 * e3 + 0.0625 * e4
+    _, bound = _residual_bounds(0.25 * (e3 - 3.0 * e2))
+    return z, bound
   res = y - eye
   t = eye - 0.5 * res
   y, z = y @ t, t

@@ -341,6 +341,37 @@ def fast_path_certificate(w, xi, delta):
   return steps, float(cert) / accept
 
 
+def _stepped(y, num_steps):
+  """Coupled Newton–Schulz by its definition, step by step: (Z, R of the
+  last step)."""
+  eye = jnp.eye(y.shape[-1], dtype=y.dtype)
+  z = jnp.broadcast_to(eye, y.shape)
+  for _ in range(num_steps):
+    res = z @ y - eye
+    t = eye - 0.5 * res
+    y, z = y @ t, t @ z
+  return z, res
+
+
+def test_two_newton_schulz_steps_as_one_polynomial(x64, certificate):
+  """`_newton_schulz_fixed(y, 2)` evaluates the two steps as a polynomial in
+  E = Y - I: Z and the certificate equal stepping's, over the whole fast
+  path domain (spectrum of Y in (0, 2)) and beyond it (p = 2.4)."""
+  rng = np.random.default_rng(3)
+  q, _ = np.linalg.qr(rng.standard_normal((5, 6, 6)))
+  spectra = np.stack([np.linspace(lo, hi, 6) for lo, hi in
+                      [(0.99, 1.01), (0.5, 1.5), (0.05, 1.95), (0.9, 2.4),
+                       (1.0, 1.0)]])
+  y = jnp.asarray(q @ (spectra[..., None] * np.swapaxes(q, -1, -2)))
+  z, cert = geometry._newton_schulz_fixed(y, 2)
+  z_ref, res = _stepped(y, 2)
+  _, cert_ref = geometry._residual_bounds(res)
+  err = certificate("geometry: two Newton–Schulz steps, polynomial vs stepped",
+                    rel(z, z_ref))
+  assert err <= 1e-14
+  np.testing.assert_allclose(cert, cert_ref, rtol=1e-10, atol=1e-30)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_fast_path_certificate_passes_on_its_domain(dtype, certificate,
                                                     frames, normal):
