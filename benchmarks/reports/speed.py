@@ -131,7 +131,8 @@ def gram_lines(res) -> list:
        "contraction / materialised"], "l" + "r" * (len(forms) + 1),
       [[str(tuple(x["shape"])), *(f"{x['ms'][f]:.4f}" for f in forms),
         f"{x['contraction_over_cpu_form']:.2f}"] for x in r["rows"]])
-  out += ["", "One jitted batched W^T G of each form, alternated, on"
+  calls = f", medians of {r['calls']} calls each" if "calls" in r else ""
+  out += ["", f"One jitted batched W^T G of each form, alternated{calls}, on"
           f" {r['backend']}: one contraction over d, and A^T materialised"
           " (a copy kept by an optimization barrier) then a plain batched"
           " matmul. `stiefel_optax.geometry.gram` uses the second on CPU,"
@@ -192,6 +193,15 @@ def peer_lines(res) -> list:
             " work, so geoopt / adamw bounds what any optax transform"
             " reaches where per-operation dispatch, not arithmetic, sets"
             " the time (many small frames)."]
+  with_cpu = [r for r in p["rows"] if "cpu_ratio_stacked" in r]
+  if with_cpu:
+    out += ["", "geoopt / ours in CPU time (the process's, all threads;"
+            " steadier than wall time when other jobs share the cores): "
+            + "; ".join(f"{r['workload'].split(':')[0]}: per leaf"
+                        f" {r['cpu_ratio']:.2f}, stacked"
+                        f" {r['cpu_ratio_stacked']:.2f}, auto"
+                        f" {r['cpu_ratio_auto']:.2f}" for r in with_cpu)
+            + "."]
   counted = [r for r in p["rows"] if "compiled_ops" in r]
   if counted:
     out += ["", "Operations per step in each compiled program (the entry"

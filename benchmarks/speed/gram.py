@@ -26,9 +26,16 @@ FORMS = {"contraction (einsum over d)": geometry._gram_contraction,  # pylint: d
          "A^T materialised, batched matmul": geometry._gram_cpu}  # pylint: disable=protected-access
 
 
+# The calls take 0.01-1 ms, where one call's dispatch and a stray
+# scheduling delay weigh as much as the product: ten times the other
+# tables' alternated calls (still under a second in all).
+CALLS_PER_ITER = 10
+
+
 def gram_table(shapes, iters: int) -> Dict[str, Any]:
-  """Median ms of W^T G per form for each (frames, d, r) in `shapes`, and
-  contraction / CPU form; `geometry.gram` uses the second on CPU."""
+  """Median ms of W^T G per form for each (frames, d, r) in `shapes`
+  (CALLS_PER_ITER * iters alternated calls each), and contraction / CPU
+  form; `geometry.gram` uses the second on CPU."""
   rng = np.random.default_rng(0)
   first, second = FORMS
   rows = []
@@ -37,8 +44,9 @@ def gram_table(shapes, iters: int) -> Dict[str, Any]:
             for _ in "wg")
     t = timing.median_times(
         {name: timing.call(jax.jit(fn), w, g) for name, fn in FORMS.items()},
-        iters)
+        CALLS_PER_ITER * iters)
     rows.append({"shape": list(shape),
                  "ms": {name: 1e3 * t[name] for name in FORMS},
                  "contraction_over_cpu_form": t[first] / t[second]})
-  return {"backend": jax.default_backend(), "rows": rows}
+  return {"backend": jax.default_backend(), "calls": CALLS_PER_ITER * iters,
+          "rows": rows}
