@@ -1,5 +1,5 @@
-"""Optimizers for Stiefel frames, each an `optax.chain` of the transforms
-(`stiefel_adam`'s chain computed in one pass, with the chain's state).
+"""Optimizers for Stiefel frames, each an `optax.chain` of the transforms,
+its update computed in one pass (`_one_pass`), with the chain's state.
 
 The leaves are frames (..., d, r); wrap with `partition.frame_partition` for
 kernels whose frames lie along other axes, or use `stiefel_attention`
@@ -85,32 +85,42 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
   # d x r x r products per step with the retraction); the first link only
   # checks the start. The state has the structure of the unfused chain
   # (project_to_tangent, scale_by_frame_adam, ...), so checkpoints restore.
-  links = (transforms.check_orthonormal_start(orthonormal_start),
-           transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype,
-                                          project=True),
-           optax.scale_by_learning_rate(learning_rate),
-           *_cap_and_retract(max_step_norm, retraction))
-  return optax.GradientTransformation(
-      optax.chain(*links).init,
-      _one_pass_update(links, b1, b2, eps, max_step_norm, retraction))
+  check = transforms.check_orthonormal_start(orthonormal_start)
+
+  def moment(updates, states, params):
+    updates, check_state = check.update(updates, states[0], params)
+    m, scale, adam_state = transforms.frame_adam_moments(
+        updates, states[1], params, b1, b2, eps, project=True)
+    return m, scale, (check_state, adam_state)
+
+  return _one_pass(
+      [check, transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype,
+                                             project=True)],
+      moment, learning_rate, max_step_norm, retraction)
 
 
-def _one_pass_update(links, b1, b2, eps, max_step_norm, retraction: str):
-  """The update of `optax.chain(*links)`, `stiefel_adam`'s chain, with the
-  same state, computed in one pass: the links hand on per-frame scalars
-  instead of steps.
+def _one_pass(lead_links, lead, learning_rate, max_step_norm,
+              retraction: str) -> optax.GradientTransformation:
+  """optax.chain(*lead_links, scale_by_learning_rate(learning_rate),
+  *_cap_and_retract(...)), with that chain's state, its update computed in
+  one pass: the links hand on per-frame scalars instead of steps.
 
-  The step is xi = m s per frame, m the new moment and s = -lr scale
-  min(1, delta / (lr scale ||m||_F)) (`transforms.frame_adam_moments`), so
-  the cap and the retraction take ||xi||_F = |s| ||m||_F from the moment,
-  which the state stores anyway, and XLA fuses m s into W + xi: xi is
-  never written out. The chain writes the Adam step and the capped step
-  and reads each once more for its norm (four more passes over the
-  frames). Equal to the chain up to rounding (tests/test_transforms.py);
-  frames below float32 keep the step in float32 between the links, where
-  the chain rounds it to their dtype.
+  `lead(updates, lead_states, params) -> (m, scale, new lead_states)` does
+  the lead links' work: the step is xi = m s per frame, s = -lr scale
+  min(1, delta / (lr scale ||m||_F)), so the cap and the Newton–Schulz scale
+  take ||xi||_F = |s| ||m||_F from m (for `stiefel_adam` the new moment,
+  which the state stores anyway), and XLA fuses m s into W + xi: xi is
+  never written out. The chain writes the lead links' step and the capped
+  step and reads each once more for its norm (four more passes over the
+  frames; on CPU also a recomputation each, as XLA's reductions there do
+  not absorb the selects that skip a non-finite frame). Equal to the chain
+  up to rounding (tests/test_transforms.py); frames below float32 keep the
+  step in float32 between the links, where the chain rounds it to their
+  dtype.
   """
-  check, _, lr = links[:3]
+  links = [*lead_links, optax.scale_by_learning_rate(learning_rate),
+           *_cap_and_retract(max_step_norm, retraction)]
+  n = len(lead_links)
   radius = (None if max_step_norm is None
             else transforms.static_float(max_step_norm))
 
@@ -123,11 +133,8 @@ def _one_pass_update(links, b1, b2, eps, max_step_norm, retraction: str):
     return s * factor, norm * factor
 
   def update_fn(updates, state, params=None):
-    # The first link requires params and checks the shapes.
-    updates, check_state = check.update(updates, state[0], params)
-    m, scale, adam_state = transforms.frame_adam_moments(
-        updates, state[1], params, b1, b2, eps, project=True)
-    s, lr_state = lr.update(scale, state[2])           # -lr scale
+    m, scale, lead_states = lead(updates, state[:n], params)
+    s, lr_state = links[n].update(scale, state[n])       # -lr scale
     s, norm = transforms.unzip(jax.tree.structure(updates),
                                jax.tree.map(capped, m, s), 2)
     u = jax.tree.map(
@@ -136,9 +143,9 @@ def _one_pass_update(links, b1, b2, eps, max_step_norm, retraction: str):
             out_dtype=g.dtype),
         m, s, norm, params, updates)
     # The cap and the retraction keep no state (EmptyState).
-    return u, (check_state, adam_state, lr_state, *state[3:])
+    return u, (*lead_states, lr_state, *state[n + 1:])
 
-  return update_fn
+  return optax.GradientTransformation(optax.chain(*links).init, update_fn)
 
 
 def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
@@ -149,7 +156,9 @@ def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
   """Fixed-step Riemannian SGD: W+ = polar(W - lr P_W(G)).
 
   Unlike `stiefel_adam` the step is proportional to the gradient's scale.
-  orthonormal_start as in `stiefel_adam`.
+  orthonormal_start as in `stiefel_adam`. The chain project_to_tangent ->
+  scale_by_learning_rate -> clip_frame_norm -> retract_polar, computed in
+  one pass as `stiefel_adam`'s.
 
   >>> import jax, jax.numpy as jnp, optax, stiefel_optax as so
   >>> w = so.random_frames(jax.random.key(0), (8, 2))
@@ -158,7 +167,14 @@ def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
   >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)
   True
   """
-  return optax.chain(
-      transforms.project_to_tangent(orthonormal_start),
-      optax.scale_by_learning_rate(learning_rate),
-      *_cap_and_retract(max_step_norm, retraction))
+  project = transforms.project_to_tangent(orthonormal_start)
+
+  def tangent(updates, states, params):
+    g, project_state = project.update(updates, states[0], params)
+    ones = jax.tree.map(
+        lambda w: jnp.ones(w.shape[:-2], geometry.compute_dtype(w.dtype)),
+        params)
+    return g, ones, (project_state,)
+
+  return _one_pass([project], tangent, learning_rate, max_step_norm,
+                   retraction)

@@ -740,6 +740,30 @@ def test_stiefel_adam_one_pass_equals_its_chain(case):
   chex.assert_tree_all_finite(w)
 
 
+@pytest.mark.parametrize("max_step_norm", [None, 0.1, 1.0])
+def test_riemannian_sgd_one_pass_equals_its_chain(max_step_norm):
+  """`riemannian_sgd` shares the one-pass update: equal to project_to_tangent
+  -> scale_by_learning_rate -> clip_frame_norm -> retract_polar over 4
+  steps (a schedule; long steps, capped or not), the same state tree."""
+  lr = optax.linear_schedule(1.0, 0.1, 4)
+  cap = [] if max_step_norm is None else [so.clip_frame_norm(max_step_norm)]
+  ref = optax.chain(so.project_to_tangent(), optax.scale_by_learning_rate(lr),
+                    *cap, so.retract_polar(max_step_norm=max_step_norm))
+  one = so.riemannian_sgd(lr, max_step_norm=max_step_norm)
+  w = frames(45, (3, 16, 4))
+  s_one, s_ref = one.init(w), ref.init(w)
+  assert jax.tree.structure(s_one) == jax.tree.structure(s_ref)
+  step = jax.jit(lambda tx, g, s, w: tx.update(g, s, w), static_argnums=0)
+  for t in range(4):
+    g = normal(80 + t, w.shape)
+    u_one, s_one = step(one, g, s_one, w)
+    u_ref, s_ref = step(ref, g, s_ref, w)
+    assert rel(u_one, u_ref) < 1e-4, t
+    chex.assert_trees_all_equal(s_one, s_ref)
+    w = optax.apply_updates(w, u_one)
+  assert float(jnp.max(so.isometry_error(w))) < 3e-6
+
+
 def test_stiefel_adam_one_pass_with_injected_hyperparameters():
   """A traced learning rate and trust region (`optax.inject_hyperparams`)
   change between steps as they do in the explicit chain."""
