@@ -30,9 +30,10 @@ __version__ = "0.6.0"
 # computes (0.4.0 added the opt-in `stack_frames`; its defaults computed what
 # 0.3.0 did; 0.5.0 forms A^T B on CPU as a materialised transpose and a
 # plain matmul, the same products summed in another order, equal to
-# rounding; 0.6.0 computes `stiefel_adam`'s and `riemannian_sgd`'s chains
-# in one pass, the step's norm taken from its direction, and two
-# Newton–Schulz steps as one polynomial, both equal to rounding). Benchmark
+# rounding; 0.6.0 computes the aliases' chains (`stiefel_adam`,
+# `riemannian_sgd`, `stiefel_muon`) in one pass, the step's norm taken from
+# its direction, and two Newton–Schulz steps as one polynomial, both equal
+# to rounding). Benchmark
 # run identities use it, so a study keeps its runs across releases that
 # leave the numbers alone.
 NUMERICS_VERSION = "0.6.0"

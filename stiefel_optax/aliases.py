@@ -106,7 +106,8 @@ def _one_pass(lead_links, lead, learning_rate, max_step_norm,
   one pass: the links hand on per-frame scalars instead of steps.
 
   `lead(updates, lead_states, params) -> (m, scale, new lead_states)` does
-  the lead links' work: the step is xi = m s per frame, s = -lr scale
+  the lead links' work (scale None: 1 per frame): the step is xi = m s per
+  frame, s = -lr scale
   min(1, delta / (lr scale ||m||_F)), so the cap and the Newton–Schulz scale
   take ||xi||_F = |s| ||m||_F from m (for `stiefel_adam` the new moment,
   which the state stores anyway), and XLA fuses m s into W + xi: xi is
@@ -134,6 +135,10 @@ def _one_pass(lead_links, lead, learning_rate, max_step_norm,
 
   def update_fn(updates, state, params=None):
     m, scale, lead_states = lead(updates, state[:n], params)
+    if scale is None:
+      scale = jax.tree.map(
+          lambda w: jnp.ones(w.shape[:-2], geometry.compute_dtype(w.dtype)),
+          params)
     s, lr_state = links[n].update(scale, state[n])       # -lr scale
     s, norm = transforms.unzip(jax.tree.structure(updates),
                                jax.tree.map(capped, m, s), 2)
@@ -171,10 +176,7 @@ def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
 
   def tangent(updates, states, params):
     g, project_state = project.update(updates, states[0], params)
-    ones = jax.tree.map(
-        lambda w: jnp.ones(w.shape[:-2], geometry.compute_dtype(w.dtype)),
-        params)
-    return g, ones, (project_state,)
+    return g, None, (project_state,)
 
   return _one_pass([project], tangent, learning_rate, max_step_norm,
                    retraction)

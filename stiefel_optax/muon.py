@@ -379,9 +379,16 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
     mu_dtype: dtype of the momentum.
     orthonormal_start: as in `stiefel_adam`.
   """
-  return optax.chain(
-      transforms.project_to_tangent(orthonormal_start),
-      scale_by_tangent_msign(b1, nesterov, num_steps=msign_steps,
-                             method=msign_method, mu_dtype=mu_dtype),
-      optax.scale_by_learning_rate(learning_rate),
-      *aliases._cap_and_retract(max_step_norm, retraction))  # pylint: disable=protected-access
+  # optax.chain(project, msign, lr, cap, retract), computed in one pass as
+  # `stiefel_adam`'s (`aliases._one_pass`), with that chain's state.
+  lead = [transforms.project_to_tangent(orthonormal_start),
+          scale_by_tangent_msign(b1, nesterov, num_steps=msign_steps,
+                                 method=msign_method, mu_dtype=mu_dtype)]
+
+  def direction(updates, states, params):
+    g, project_state = lead[0].update(updates, states[0], params)
+    d, msign_state = lead[1].update(g, states[1], params)
+    return d, None, (project_state, msign_state)
+
+  return aliases._one_pass(lead, direction, learning_rate, max_step_norm,  # pylint: disable=protected-access
+                           retraction)
