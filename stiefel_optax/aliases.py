@@ -133,7 +133,8 @@ def _one_pass(lead_links, lead, learning_rate, max_step_norm,
     factor = jnp.minimum(1.0, max_step_norm / jnp.maximum(norm, max_step_norm))
     return s * factor, norm * factor
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args    # as optax.chain: no link here takes any
     m, scale, lead_states = lead(updates, state[:n], params)
     if scale is None:
       scale = jax.tree.map(
@@ -150,7 +151,8 @@ def _one_pass(lead_links, lead, learning_rate, max_step_norm,
     # The cap and the retraction keep no state (EmptyState).
     return u, (*lead_states, lr_state, *state[n + 1:])
 
-  return optax.GradientTransformation(optax.chain(*links).init, update_fn)
+  return optax.GradientTransformationExtraArgs(optax.chain(*links).init,
+                                               update_fn)
 
 
 def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,

@@ -764,6 +764,17 @@ def test_riemannian_sgd_one_pass_equals_its_chain(max_step_norm):
   assert float(jnp.max(so.isometry_error(w))) < 3e-6
 
 
+def test_one_pass_aliases_take_extra_args_as_the_chain_did():
+  """optax.chain accepted (and passed on) extra args such as value=; the
+  one-pass aliases accept them too."""
+  w = frames(46, (2, 16, 4))
+  for tx in (so.stiefel_adam(0.1), so.riemannian_sgd(0.1),
+             so.stiefel_muon(0.1)):
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    u, _ = tx.update(normal(47, w.shape), tx.init(w), w, value=1.0)
+    chex.assert_tree_all_finite(u)
+
+
 def test_stiefel_adam_one_pass_with_injected_hyperparameters():
   """A traced learning rate and trust region (`optax.inject_hyperparams`)
   change between steps as they do in the explicit chain."""
