@@ -100,24 +100,23 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
 
 
 def _one_pass(lead_links, lead, learning_rate, max_step_norm,
-              retraction: str) -> optax.GradientTransformation:
+              retraction: str) -> optax.GradientTransformationExtraArgs:
   """optax.chain(*lead_links, scale_by_learning_rate(learning_rate),
   *_cap_and_retract(...)), with that chain's state, its update computed in
   one pass: the links hand on per-frame scalars instead of steps.
 
   `lead(updates, lead_states, params) -> (m, scale, new lead_states)` does
-  the lead links' work (scale None: 1 per frame): the step is xi = m s per
-  frame, s = -lr scale
-  min(1, delta / (lr scale ||m||_F)), so the cap and the Newton–Schulz scale
-  take ||xi||_F = |s| ||m||_F from m (for `stiefel_adam` the new moment,
-  which the state stores anyway), and XLA fuses m s into W + xi: xi is
-  never written out. The chain writes the lead links' step and the capped
-  step and reads each once more for its norm (four more passes over the
-  frames; on CPU also a recomputation each, as XLA's reductions there do
-  not absorb the selects that skip a non-finite frame). Equal to the chain
-  up to rounding (tests/test_transforms.py); frames below float32 keep the
-  step in float32 between the links, where the chain rounds it to their
-  dtype.
+  the lead links' work (scale None: 1 per frame). The step is xi = m s per
+  frame with s = -lr scale min(1, delta / (lr scale ||m||_F)), so the cap
+  and the Newton–Schulz scale take ||xi||_F = |s| ||m||_F from m (for
+  `stiefel_adam` the new moment, which the state stores anyway), and XLA
+  fuses m s into W + xi: xi is never written out. The chain writes the
+  lead links' step and the capped step and reads each once more for its
+  norm (four more passes over the frames; on CPU also a recomputation
+  each, as XLA's reductions there do not absorb the selects that skip a
+  non-finite frame). Equal to the chain up to rounding
+  (tests/test_transforms.py); frames below float32 keep the step in
+  float32 between the links, where the chain rounds it to their dtype.
   """
   links = [*lead_links, optax.scale_by_learning_rate(learning_rate),
            *_cap_and_retract(max_step_norm, retraction)]
@@ -144,8 +143,8 @@ def _one_pass(lead_links, lead, learning_rate, max_step_norm,
     s, norm = transforms.unzip(jax.tree.structure(updates),
                                jax.tree.map(capped, m, s), 2)
     u = jax.tree.map(
-        lambda m, s, n, w, g: transforms.retraction_update(
-            m * s[..., None, None], w, retraction, radius, step_norm=n,
+        lambda m, s, norm, w, g: transforms.retraction_update(
+            m * s[..., None, None], w, retraction, radius, step_norm=norm,
             out_dtype=g.dtype),
         m, s, norm, params, updates)
     # The cap and the retraction keep no state (EmptyState).
