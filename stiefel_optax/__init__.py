@@ -33,7 +33,6 @@ __version__ = "0.6.0"
 # rounding; 0.6.0 computes the aliases' chains (`stiefel_adam`,
 # `riemannian_sgd`, `stiefel_muon`) in one pass, the step's norm taken from
 # its direction, and two Newton–Schulz steps as one polynomial, both equal
-# to rounding). Benchmark
-# run identities use it, so a study keeps its runs across releases that
-# leave the numbers alone.
+# to rounding). Benchmark run identities use it, so a study keeps its runs
+# across releases that leave the numbers alone.
 NUMERICS_VERSION = "0.6.0"

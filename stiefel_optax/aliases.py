@@ -129,7 +129,7 @@ def _one_pass(lead_links, lead, learning_rate, max_step_norm,
     norm = geometry.frame_norm(m) * jnp.abs(s)
     if max_step_norm is None:
       return s, norm
-    factor = jnp.minimum(1.0, max_step_norm / jnp.maximum(norm, max_step_norm))
+    factor = transforms.cap_factor(norm, max_step_norm)
     return s * factor, norm * factor
 
   def update_fn(updates, state, params=None, **extra_args):

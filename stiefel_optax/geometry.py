@@ -129,9 +129,10 @@ def _gram_cpu(a: jax.Array, b: jax.Array) -> jax.Array:
   but a plain (..., r, d) @ (..., d, s) matmul to its batched GEMM library;
   the barrier keeps the algebraic simplifier from folding the transpose
   back into the dot. Measured by `python -m benchmarks.speed` (table 8,
-  the copy included; 2026-12-03): 1.5x faster on a GPT-2 small kernel
-  (12, 768, 64), 2.45x on (4, 64, 16), and 1.1-2x from run to run on a
-  stack of 32 frames of (64, 16). Where A is both operands or
+  the copy included; runs of 2026-12-03): 1.1-1.5x faster on a GPT-2
+  small kernel (12, 768, 64) (0.8x in one run timed over 11 calls only),
+  1.0-2.6x on (4, 64, 16), and 1.1-2x on a stack of 32 frames of
+  (64, 16), from run to run. Where A is both operands or
   several products share it, the one copy of A^T serves them all (common
   subexpressions). The summation order differs from the contraction's:
   results agree to rounding.

@@ -455,13 +455,19 @@ def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
     _require_params(params, "clip_frame_norm")
 
     def clip(xi):
-      norm = geometry.frame_norm(xi)
-      factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, max_norm))
+      factor = cap_factor(geometry.frame_norm(xi), max_norm)
       return xi * factor[..., None, None]
 
     return _per_frame(clip, updates), state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def cap_factor(norm, max_norm):
+  """min(1, max_norm / ||xi||_F) per frame from the step's norm, 1 for a
+  zero step: what `clip_frame_norm` (and the aliases' one-pass update,
+  from a norm it has already) scale a step by."""
+  return jnp.minimum(1.0, max_norm / jnp.maximum(norm, max_norm))
 
 
 # --------------------------------------------------------------------------

@@ -37,6 +37,7 @@ def gram_table(shapes, iters: int) -> Dict[str, Any]:
   (CALLS_PER_ITER * iters alternated calls each), and contraction / CPU
   form; `geometry.gram` uses the second on CPU."""
   rng = np.random.default_rng(0)
+  calls = CALLS_PER_ITER * iters
   first, second = FORMS
   rows = []
   for shape in shapes:
@@ -44,9 +45,8 @@ def gram_table(shapes, iters: int) -> Dict[str, Any]:
             for _ in "wg")
     t = timing.median_times(
         {name: timing.call(jax.jit(fn), w, g) for name, fn in FORMS.items()},
-        CALLS_PER_ITER * iters)
+        calls)
     rows.append({"shape": list(shape),
                  "ms": {name: 1e3 * t[name] for name in FORMS},
                  "contraction_over_cpu_form": t[first] / t[second]})
-  return {"backend": jax.default_backend(), "calls": CALLS_PER_ITER * iters,
-          "rows": rows}
+  return {"backend": jax.default_backend(), "calls": calls, "rows": rows}
