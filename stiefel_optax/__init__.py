@@ -16,7 +16,8 @@ from stiefel_optax.muon import (
     ScaleByTangentMsignState, msign, scale_by_tangent_msign, stiefel_muon,
     tangent_msign)
 from stiefel_optax.specs import (
-    PRESETS, FrameSpec, frame_specs, fused_qkv, path_str, selected)
+    PRESETS, FrameSpec, equinox_specs, frame_specs, fused_qkv, haiku_mha,
+    path_str, selected)
 from stiefel_optax.views import from_frames, map_frames, merge, split, to_frames
 from stiefel_optax.partition import FramePartitionState, frame_partition
 from stiefel_optax.attention import stiefel_attention

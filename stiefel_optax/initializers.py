@@ -24,6 +24,15 @@ def orthonormalize(params, frames: specs_lib.Selector = None, *,
   ...     jax.random.key(0), (16, 2, 4))}}}
   >>> bool(so.max_isometry_error(so.orthonormalize(params)) < 1e-5)
   True
+
+  The result has the structure of `params`: a dict for a dict, an
+  `eqx.Module` for an Equinox model (its non-array fields kept):
+
+  >>> import equinox as eqx
+  >>> mha = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
+  >>> mha = so.orthonormalize(mha)
+  >>> type(mha).__name__, bool(so.max_isometry_error(mha) < 1e-5)
+  ('MultiheadAttention', True)
   """
 
   def fn(a):

@@ -6,8 +6,11 @@ whether only some equal parts of the leaf are frames (a fused Q/K/V kernel).
 A *selector* maps a whole parameter tree to one spec (or None, Euclidean) per
 leaf; it is one of
 
-* a preset name: ``"flax"``, ``"gemma"``, ``"maxtext"``, or ``"auto"`` (the
-  default, ``None``), which recognises the presets by paths and shapes;
+* a preset name: ``"flax"``, ``"gemma"``, ``"maxtext"``, ``"equinox"``
+  (reads each ``eqx.nn.MultiheadAttention``'s head count from the module), or
+  ``"auto"`` (the default, ``None``), which recognises the presets by paths
+  and shapes (and Equinox modules);
+* ``haiku_mha(num_heads)``, a mapping for ``hk.MultiHeadAttention``;
 * a mapping ``{path_regex: FrameSpec | None}`` (regexes searched in the
   '/'-joined path; every entry must match a leaf);
 * a callable ``(path, leaf) -> FrameSpec | None``;
@@ -24,6 +27,7 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
@@ -157,7 +161,8 @@ class FrameSpec:
       if r % self.heads:
         raise ValueError(
             f"{name}: shape {shape} has {r} columns per frame block, not"
-            f" divisible into heads = {self.heads} ({self}).")
+            f" divisible into heads = {self.heads} ({self}). Pass the"
+            f" model's own number of heads (a divisor of {r}).")
       bshape, r = bshape + (self.heads,), r // self.heads
     return bshape + (d, r)
 
@@ -198,6 +203,8 @@ _GEMMA_Q = r"(^|/)q_einsum/w$"
 _GEMMA_KV = r"(^|/)kv_einsum/w$"
 _GEMMA_QKV = r"(^|/)qkv_einsum/w$"
 _FUSED = r"(^|/)c_attn/kernel$"
+# hk.MultiHeadAttention: {name}/query/w, {name}/key/w, (d, num_heads * key_size).
+HAIKU_QK = r"(^|/)(query|key)/w$"
 
 # flax linen MultiHeadDotProductAttention / nnx MultiHeadAttention:
 # (d, heads, head_dim), nn.scan stacks (layers, d, heads, head_dim).
@@ -219,6 +226,39 @@ def fused_qkv(num_heads: int) -> FrameSpec:
   (2, 4, 128, 32)
   """
   return FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=num_heads)
+
+
+def haiku_mha(num_heads: int, module: Optional[str] = None) -> dict:
+  """The selector of `hk.MultiHeadAttention`'s query and key projections.
+
+  Haiku stores them as `{module}/query/w` and `{module}/key/w` of shape
+  (d, num_heads * key_size), head h in columns [h k, (h + 1) k): 2-D, so the
+  head count is not in the shape and the default refuses them. Each head's
+  frame is W[:, h k:(h + 1) k], of shape (d, key_size); a leading layer axis
+  (`hk.layer_stack`) is a batch of frames.
+
+  Args:
+    num_heads: the module's `num_heads`.
+    module: the module's Haiku name (e.g. "encoder/~/multi_head_attention");
+      default: every `.../query/w` and `.../key/w` leaf. Modules with
+      different head counts: merge one mapping per module,
+      `{**haiku_mha(8, "enc/~/mha"), **haiku_mha(4, "dec/~/mha")}`.
+
+  Returns:
+    {path_regex: FrameSpec(rows=-2, cols=-1, heads=num_heads)}, a `frames=`.
+
+  >>> import jax.numpy as jnp, stiefel_optax as so
+  >>> params = {"mha/query": {"w": jnp.zeros((16, 16)), "b": jnp.zeros(16)}}
+  >>> so.selected(params, so.haiku_mha(num_heads=2))
+  {'mha/query/w': FrameSpec(rows=-2, cols=-1, heads=2)}
+  """
+  spec = FrameSpec(rows=-2, cols=-1, heads=num_heads)
+  if module is None:
+    return {HAIKU_QK: spec}
+  if not isinstance(module, str) or not module:
+    raise ValueError(f"haiku_mha: module={module!r} must be the module's"
+                     " Haiku name (a non-empty str), or None for every one.")
+  return {rf"(^|/){re.escape(module.strip('/'))}/(query|key)/w$": spec}
 
 
 class _Undecided(ValueError):
@@ -250,7 +290,7 @@ _maxtext = _qk_kernels(MAXTEXT, "maxtext", "(embed, heads, head_dim) or"
 
 
 def _gemma(path, leaf):
-  shape = tuple(leaf.shape)
+  shape = tuple(getattr(leaf, "shape", ()))
   if re.search(_GEMMA_Q, path):
     if len(shape) == 3:
       return GEMMA_Q
@@ -288,6 +328,13 @@ def _auto(path, leaf):
           " heads cannot be told from its shape: pass"
           f" frames={{{QK_KERNEL!r}: FrameSpec(rows=0, cols=1, heads=H)}}"
           " (one frame per head) or FrameSpec(rows=0, cols=1) (one frame).")
+  if re.search(HAIKU_QK, path) and leaf.ndim in (2, 3):
+    raise _Undecided(
+        f"{path}: shape {tuple(leaf.shape)} is an attention projection in"
+        " hk.MultiHeadAttention's layout (d, num_heads * key_size), whose heads"
+        " cannot be told from its shape: pass"
+        " frames=stiefel_optax.haiku_mha(num_heads), i.e."
+        f" {{{HAIKU_QK!r}: FrameSpec(rows=-2, cols=-1, heads=num_heads)}}.")
   if re.search(_FUSED, path):
     raise _Undecided(
         f"{path}: shape {tuple(leaf.shape)} is a fused q/k/v kernel: pass"
@@ -296,7 +343,98 @@ def _auto(path, leaf):
   return None
 
 
-PRESETS = {"auto": _auto, "flax": _flax, "gemma": _gemma, "maxtext": _maxtext}
+def _reads_tree(make):
+  """Marks a preset that reads the whole tree (a head count that only a
+  module holds): make(params) -> (path, leaf) -> FrameSpec | None."""
+  make.reads_tree = True
+  return make
+
+
+def _is_eqx_mha(x) -> bool:
+  # Without equinox imported a tree holds no Equinox module: never import it.
+  eqx = sys.modules.get("equinox")
+  return eqx is not None and isinstance(x, eqx.nn.MultiheadAttention)
+
+
+def equinox_specs(params) -> dict:
+  """{path: FrameSpec} of the query/key weights of every
+  `eqx.nn.MultiheadAttention` in an Equinox tree, the head count read from
+  each module.
+
+  `eqx.nn.Linear` stores W in (out, in) layout, here (num_heads * qk_size,
+  query_size), head-major: head h's frame is W[h k:(h + 1) k, :]^T, of shape
+  (query_size, qk_size), i.e. FrameSpec(rows=-1, cols=-2, heads=num_heads);
+  a leading axis (blocks stacked by `eqx.filter_vmap`) is a batch of frames.
+
+  >>> import equinox as eqx, jax, stiefel_optax as so
+  >>> mha = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
+  >>> so.equinox_specs({"attn": mha})["attn/query_proj/weight"]
+  FrameSpec(rows=-1, cols=-2, heads=2)
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(params,
+                                                is_leaf=_is_eqx_mha)[0]
+  out = {}
+  for path, module in leaves:
+    if _is_eqx_mha(module):
+      spec = FrameSpec(rows=-1, cols=-2, heads=int(module.num_heads))
+      for proj in ("query_proj", "key_proj"):
+        out[path_str(tuple(path) + (jax.tree_util.GetAttrKey(proj),
+                                    jax.tree_util.GetAttrKey("weight")))] = spec
+  return out
+
+
+def _equinox_leaf(specs: dict):
+  """(path, leaf) -> the spec of an Equinox MHA's query/key weight (shape
+  checked against the module's num_heads), else None."""
+  def select(path, leaf):
+    spec = specs.get(path)
+    if spec is None:
+      return None
+    shape = tuple(getattr(leaf, "shape", ()))
+    if len(shape) < 2 or shape[-2] % spec.heads:
+      raise _Undecided(
+          f"{path}: shape {shape} is the weight of an eqx.nn.MultiheadAttention"
+          f" with num_heads = {spec.heads}, which expects (num_heads * qk_size,"
+          " query_size) (a leading layer axis allowed); its rows do not split"
+          f" into {spec.heads} heads. Give the module a weight of that shape"
+          f" (or num_heads dividing {shape[-2] if shape else shape}), or pass"
+          f" frames={{{path!r}: FrameSpec(rows=-1, cols=-2, heads=H)}}.")
+    return spec
+  return select
+
+
+@_reads_tree
+def _equinox(params):
+  specs = equinox_specs(params)
+  if not specs:
+    items = jax.tree_util.tree_leaves_with_path(params)
+    seen = ", ".join(f"{path_str(p)} {tuple(getattr(x, 'shape', ()))}"
+                     for p, x in items[:6]) or "(no leaves)"
+    why = ("equinox is not imported, so " if "equinox" not in sys.modules
+           else "")
+    raise ValueError(
+        f"frames='equinox': {why}params holds no eqx.nn.MultiheadAttention"
+        f" (leaves: {seen}{' ...' if len(items) > 6 else ''}). The preset"
+        " reads num_heads from the modules: pass the Module tree itself,"
+        " eqx.filter(model, eqx.is_inexact_array), not a dict or list of its"
+        " arrays; for other attention layers pass frames={path_regex:"
+        " FrameSpec(rows=-1, cols=-2, heads=num_heads)} for (out, in)"
+        " weights.")
+  return _equinox_leaf(specs)
+
+
+@_reads_tree
+def _auto_tree(params):
+  """`_auto`, and the query/key weights of Equinox MHA modules; leaves that
+  are no arrays (an Equinox model's floats, bools, functions) are not
+  frames."""
+  eqx_leaf = _equinox_leaf(equinox_specs(params))
+  return lambda path, leaf: None if not hasattr(leaf, "ndim") else (
+      eqx_leaf(path, leaf) or _auto(path, leaf))
+
+
+PRESETS = {"auto": _auto_tree, "equinox": _equinox, "flax": _flax,
+           "gemma": _gemma, "maxtext": _maxtext}
 
 Selector = Union[None, str, FrameSpec, Mapping[str, Optional[FrameSpec]],
                  Callable[[str, Any], Optional[FrameSpec]]]
@@ -339,9 +477,14 @@ def _check_spec(spec, path, leaf):
   return spec
 
 
-def _selector_fn(frames: Selector):
+def _bind(fn, params):
+  """A per-leaf selector: a tree-reading preset bound to `params`."""
+  return fn(params) if getattr(fn, "reads_tree", False) else fn
+
+
+def _selector_fn(frames: Selector, params=None):
   """(fn(path, leaf) -> spec | None, entries that must each match a leaf,
-  description)."""
+  description) for the tree `params`."""
   if frames is None:
     frames = "auto"
   if isinstance(frames, str):
@@ -349,7 +492,7 @@ def _selector_fn(frames: Selector):
       raise ValueError(f"frames={frames!r} is not a preset; the presets are"
                        f" {sorted(PRESETS)} (or pass a mapping"
                        " {path_regex: FrameSpec} or a callable).")
-    return PRESETS[frames], {}, f"preset {frames!r}"
+    return _bind(PRESETS[frames], params), {}, f"preset {frames!r}"
   if isinstance(frames, FrameSpec):
     return (lambda path, leaf: frames), {}, repr(frames)
   if isinstance(frames, Mapping):
@@ -375,7 +518,8 @@ def _selector_fn(frames: Selector):
 
     return fn, {p: c for p, (c, _) in entries.items()}, "frames mapping"
   if callable(frames):
-    return frames, {}, f"callable {getattr(frames, '__name__', frames)!r}"
+    return (_bind(frames, params), {},
+            f"callable {getattr(frames, '__name__', frames)!r}")
   raise ValueError(
       f"frames={frames!r} is not a frame selector: pass a preset name"
       f" {sorted(PRESETS)}, a FrameSpec, a mapping {{path_regex: FrameSpec}},"
@@ -405,7 +549,7 @@ def frame_specs(params, frames: Selector = None) -> list:
         " the Stiefel frames are part of the step, so init and update need"
         " the parameter tree (tx.init(params), tx.update(grads, state,"
         " params)).")
-  fn, must_match, what = _selector_fn(frames)
+  fn, must_match, what = _selector_fn(frames, params)
   items = [(path_str(p), x) for p, x in
            jax.tree_util.tree_leaves_with_path(params)]
   paths = [p for p, _ in items]
