@@ -70,5 +70,8 @@ def frame_movement(old_params, new_params,
   >>> moved["query/kernel"].round(4)       # ||-W - W||_F = 2 sqrt(r), per head
   Array([4., 4.], dtype=float32)
   """
-  diff = jax.tree.map(lambda a, b: b - a, old_params, new_params)
+  # Leaves that are no arrays (an Equinox model's functions, flags) are
+  # never frames: carried as they are.
+  diff = jax.tree.map(lambda a, b: b - a if hasattr(b, "shape") else b,
+                      old_params, new_params)
   return views.map_frames(geometry.frame_norm, diff, frames, back=False)
