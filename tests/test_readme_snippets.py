@@ -35,6 +35,11 @@ def _trained(ns):
   if "tx" in ns and "state" in ns and "updates" in ns:     # a plain optax loop
     fs = [x for x in jax.tree.leaves(ns["state"], is_leaf=_is_fs) if _is_fs(x)]
     return ns["params"], ns["state"], int(fs[0].count) if fs else 0
+  if "tx" in ns and "opt_state" in ns:   # a loop step: Haiku, or Equinox's
+    params = ns["params"] if "params" in ns else ns["model"]   # Module
+    fs = [x for x in jax.tree.leaves(ns["opt_state"], is_leaf=_is_fs)
+          if _is_fs(x)]
+    return params, ns["opt_state"], int(fs[0].count) if fs else 0
   return None
 
 
