@@ -56,11 +56,13 @@ def stiefel_attention(
       would be 0 / 0 = NaN. Pass `euclidean_tx` for any other AdamW eps.
     max_step_norm: trust-region radius per frame; None disables it.
     frames: where the frames are (`specs`): None / "auto" recognises Flax
-      (linen, nnx), Gemma and MaxText layouts by path and shape and raises
-      where it cannot decide; "flax", "gemma", "maxtext" force a preset; a
-      mapping {path_regex: FrameSpec | None} or a callable
-      (path, leaf) -> FrameSpec | None describes any other model (a fused
-      nanoGPT `c_attn`: {r"c_attn/kernel$": fused_qkv(num_heads)}).
+      (linen, nnx), Gemma and MaxText layouts by path and shape, and
+      Equinox `eqx.nn.MultiheadAttention` modules (heads read from each),
+      and raises where it cannot decide; "flax", "gemma", "maxtext",
+      "equinox" force a preset; a mapping {path_regex: FrameSpec | None} or
+      a callable (path, leaf) -> FrameSpec | None describes any other model
+      (a fused nanoGPT `c_attn`: {r"c_attn/kernel$": fused_qkv(num_heads)};
+      Haiku's `hk.MultiHeadAttention`: `haiku_mha(num_heads)`).
     orthonormal_start: "check" (default: `init` names any frame that is not
       orthonormal; call `orthonormalize` first) or "project" (the first
       step retracts such frames onto the manifold, changing the model).
