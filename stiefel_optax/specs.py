@@ -395,9 +395,9 @@ def _equinox_leaf(specs: dict):
       raise _Undecided(
           f"{path}: shape {shape} is the weight of an eqx.nn.MultiheadAttention"
           f" with num_heads = {spec.heads}, which expects (num_heads * qk_size,"
-          " query_size) (a leading layer axis allowed); its rows do not split"
-          f" into {spec.heads} heads. Give the module a weight of that shape"
-          f" (or num_heads dividing {shape[-2] if shape else shape}), or pass"
+          " query_size) (a leading layer axis allowed), rows that split into"
+          f" {spec.heads} heads. Give the module a weight of that shape (or a"
+          " num_heads that divides its rows), or pass"
           f" frames={{{path!r}: FrameSpec(rows=-1, cols=-2, heads=H)}}.")
     return spec
   return select
