@@ -21,7 +21,8 @@
 # Knobs: BUDGET_S (whole script, default 450 s), SEEDS (default 0-7), SPEED
 # (default 1; 0 skips part (a), which tests/test_speed.py covers on CPU),
 # STIEFEL_LR, STIEFEL_CAP (the Stiefel Q/K peak lr and trust region, default
-# 0.3 and 0.3: chosen at the CPU config, not re-tuned at this one), DATA.
+# 0.3 and 0.3: chosen at the CPU config, not re-tuned at this one), DATA,
+# PYTHON (the interpreter; default .venv/bin/python, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/accelerator}
@@ -37,7 +38,11 @@ if [ "$TOY" = 1 ]; then
   export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=0"
 fi
 exec > >(tee -a "$OUT/log.txt") 2>&1
-[ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python
+# The interpreter: $PYTHON (the tests pass theirs), else the checkout's
+# .venv, else python3 from PATH.
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3; fi
 
 {
   date -u +%Y-%m-%dT%H:%M:%SZ

@@ -12,6 +12,7 @@ import math
 import os
 import pathlib
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -475,8 +476,10 @@ def test_accelerator_script_toy(tmp_path):
   already runs as a child process, so it is skipped here: SPEED=0)."""
   # XLA_FLAGS kept: the suite's compile settings (conftest.py) reach the
   # child as they reach this process (TOY=1 adds the same level-0 flag).
+  # PYTHON: the script runs this interpreter, not whichever python is on
+  # PATH (the suite may run as /path/to/venv/bin/python -m pytest).
   env = dict(os.environ, TOY="1", OUT=str(tmp_path / "acc"), SEEDS="0",
-             SPEED="0")
+             SPEED="0", PYTHON=sys.executable)
   root = pathlib.Path(__file__).resolve().parent.parent
   proc = subprocess.run(["bash", str(root / "benchmarks" / "accelerator.sh")],
                         env=env, capture_output=True, text=True, timeout=300)
