@@ -20,6 +20,7 @@ from stiefel_optax.specs import (
     path_str, selected)
 from stiefel_optax.views import from_frames, map_frames, merge, split, to_frames
 from stiefel_optax.partition import FramePartitionState, frame_partition
+from stiefel_optax.sharding import frame_view_spec, state_shardings
 from stiefel_optax.attention import stiefel_attention
 from stiefel_optax.initializers import orthonormal_heads_init, orthonormalize
 from stiefel_optax.diagnostics import (

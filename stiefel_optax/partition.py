@@ -218,6 +218,8 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
   rest_tx = euclidean_tx if euclidean_tx is not None else optax.set_to_zero()
 
   def init_fn(params):
+    from stiefel_optax import sharding  # pylint: disable=import-outside-toplevel
+    sharding.warn_if_boxed(params)   # its boxes would mislabel the state
     items = specs_lib.frame_specs(params, frames)
     check_start(items, orthonormal_start)
     f_params, r_params = _groups(params, items)
