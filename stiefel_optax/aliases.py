@@ -46,7 +46,7 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
                  ) -> optax.GradientTransformation:
   """Riemannian Adam on St(d, r), one scalar second moment per frame.
 
-  Per frame W with Euclidean gradient G:
+  Per frame W with Euclidean gradient G::
 
       g   = P_W(G) = G - W sym(W^T G)
       m   = b1 P_W(m) + (1 - b1) g = P_W(b1 m + (1 - b1) G)
@@ -66,20 +66,39 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
       orthonormal) or "project" (the first step retracts it onto the
       manifold); see `transforms.project_to_tangent`.
 
-  >>> import jax, jax.numpy as jnp, optax, stiefel_optax as so
-  >>> a = jnp.diag(jnp.arange(8.0))         # maximise tr(W^T A W): 7 + 6
-  >>> w = so.random_frames(jax.random.key(0), (8, 2))
-  >>> tx = so.stiefel_adam(0.05)
-  >>> state = tx.init(w)
-  >>> @jax.jit
-  ... def step(w, state):
-  ...   g = jax.grad(lambda w: -jnp.trace(w.T @ a @ w))(w)
-  ...   u, state = tx.update(g, state, w)
-  ...   return optax.apply_updates(w, u), state
-  >>> for _ in range(300):
-  ...   w, state = step(w, state)
-  >>> round(float(jnp.trace(w.T @ a @ w)), 3), bool(so.isometry_error(w) < 1e-5)
-  (13.0, True)
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with the state of the chain
+    check_orthonormal_start, scale_by_frame_adam, scale_by_learning_rate,
+    clip_frame_norm, retract_polar, its update computed in one pass; the
+    update needs params.
+
+  Raises:
+    ValueError: for an invalid `max_step_norm`, `retraction` or
+      `orthonormal_start` (at once); at init, for a leaf that cannot hold
+      frames or a frame that is rank-deficient or (orthonormal_start=
+      "check") not orthonormal; at update, without params.
+
+  References:
+    R. D. Guerrero, "Stiefel Attention: When the Geometry of Transformer
+    Projection Matrices Dominates Optimizer Choice — and When It Does Not",
+    arXiv 2609.19363, 2026.
+
+  Example (the top-2 eigenspace of A, i.e. maximise tr(W^T A W)):
+
+    >>> import jax, jax.numpy as jnp, optax, stiefel_optax as so
+    >>> a = jnp.diag(jnp.arange(8.0))         # maximise tr(W^T A W): 7 + 6
+    >>> w = so.random_frames(jax.random.key(0), (8, 2))
+    >>> tx = so.stiefel_adam(0.05)
+    >>> state = tx.init(w)
+    >>> @jax.jit
+    ... def step(w, state):
+    ...   g = jax.grad(lambda w: -jnp.trace(w.T @ a @ w))(w)
+    ...   u, state = tx.update(g, state, w)
+    ...   return optax.apply_updates(w, u), state
+    >>> for _ in range(300):
+    ...   w, state = step(w, state)
+    >>> round(float(jnp.trace(w.T @ a @ w)), 3), bool(so.isometry_error(w) < 1e-5)
+    (13.0, True)
   """
   # The moment projects the momentum mix itself (one projection, five
   # d x r x r products per step with the retraction); the first link only
@@ -166,12 +185,27 @@ def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
   scale_by_learning_rate -> clip_frame_norm -> retract_polar, computed in
   one pass as `stiefel_adam`'s.
 
-  >>> import jax, jax.numpy as jnp, optax, stiefel_optax as so
-  >>> w = so.random_frames(jax.random.key(0), (8, 2))
-  >>> tx = so.riemannian_sgd(0.1)
-  >>> u, _ = tx.update(jnp.ones((8, 2)), tx.init(w), w)
-  >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)
-  True
+  Args:
+    learning_rate: a float or an optax schedule.
+    max_step_norm: an optional trust-region radius (Frobenius, per frame);
+      None (default): no cap.
+    retraction: "newton_schulz" (matmul only, default) or "eigh".
+    orthonormal_start: as in `stiefel_adam`.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with that chain's state; its
+    update needs params.
+
+  Raises:
+    ValueError: as `stiefel_adam`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (8, 2))
+    >>> tx = so.riemannian_sgd(0.1)
+    >>> u, _ = tx.update(jnp.ones((8, 2)), tx.init(w), w)
+    >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)
+    True
   """
   project = transforms.project_to_tangent(orthonormal_start)
 

@@ -39,11 +39,15 @@ def stiefel_attention(
 ) -> optax.GradientTransformation:
   """Stiefel-Adam on the attention query/key frames, AdamW on the rest.
 
-  Per frame W (one per head by default) with gradient G:
-  g = P_W(G), m = b1 P_W(m) + (1 - b1) g, v = b2 v + (1 - b2) ||g||_F^2,
-  xi = -lr m_hat / (sqrt(v_hat) + eps) capped at ||xi||_F <= max_step_norm,
-  W+ = polar(W + xi) (`aliases.stiefel_adam`); every other leaf, and the
-  parts of fused kernels that are not frames, get `optax.adamw`.
+  Per frame W (one per head by default) with gradient G
+  (`stiefel_adam`)::
+
+      g  = P_W(G),  m = b1 P_W(m) + (1 - b1) g,  v = b2 v + (1 - b2) ||g||_F^2
+      xi = -lr m_hat / (sqrt(v_hat) + eps),  capped at ||xi||_F <= max_step_norm
+      W+ = polar(W + xi)
+
+  Every other leaf, and the parts of fused kernels that are not frames, get
+  `optax.adamw`.
 
   Args:
     learning_rate: AdamW's learning rate (float or schedule).
@@ -89,17 +93,35 @@ def stiefel_attention(
   or mapping passed as `frames` needs no static_args, a callable selector
   does: static_args=("frames",)).
 
-  >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
-  >>> import stiefel_optax as so
-  >>> model = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)
-  >>> x = jnp.ones((1, 4, 16))
-  >>> params = so.orthonormalize(model.init(jax.random.key(0), x)["params"])
-  >>> tx = so.stiefel_attention(1e-3)
-  >>> state = tx.init(params)
-  >>> grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x)))(params)
-  >>> updates, state = jax.jit(tx.update)(grads, state, params)
-  >>> bool(so.max_isometry_error(optax.apply_updates(params, updates)) < 1e-5)
-  True
+  Returns:
+    An `optax.GradientTransformationExtraArgs` (`frame_partition`) whose
+    state is a `FramePartitionState`; its update needs params.
+
+  Raises:
+    ValueError: for an invalid option (at once); at init, when the selector
+      cannot decide a leaf's layout or selects nothing, or a selected frame
+      is rank-deficient or (orthonormal_start="check") not orthonormal; at
+      update, without params or for a state made with another
+      `stack_frames` setting. Each message names the leaf and a fix.
+
+  References:
+    R. D. Guerrero, "Stiefel Attention: When the Geometry of Transformer
+    Projection Matrices Dominates Optimizer Choice — and When It Does Not",
+    arXiv 2609.19363, 2026.
+
+  Example (a Flax linen attention layer; flax is the ``flax`` extra):
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
+    >>> import stiefel_optax as so
+    >>> model = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)
+    >>> x = jnp.ones((1, 4, 16))
+    >>> params = so.orthonormalize(model.init(jax.random.key(0), x)["params"])
+    >>> tx = so.stiefel_attention(1e-3)
+    >>> state = tx.init(params)
+    >>> grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x)))(params)
+    >>> updates, state = jax.jit(tx.update)(grads, state, params)
+    >>> bool(so.max_isometry_error(optax.apply_updates(params, updates)) < 1e-5)
+    True
   """
   inner = stiefel_tx or aliases.stiefel_adam(
       stiefel_learning_rate if stiefel_learning_rate is not None

@@ -12,22 +12,47 @@ from stiefel_optax import geometry, specs as specs_lib, views
 
 
 def frame_isometry_errors(params, frames: specs_lib.Selector = None) -> dict:
-  """{path: per-frame ||W^T W - I||_F} for every selected leaf. Works on any
-  kernel, orthonormal or not (e.g. an AdamW arm's raw kernels).
+  """{path: per-frame ||W^T W - I||_F} for every selected leaf.
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> so.frame_isometry_errors({"query": {"kernel": jnp.zeros((4, 1, 2))}})
-  {'query/kernel': Array([1.4142135], dtype=float32)}
+  Works on any kernel, orthonormal or not (e.g. an AdamW arm's raw kernels).
+
+  Args:
+    params: a parameter tree (dict, Flax/nnx state, Equinox Module, ...).
+    frames: the frame selector (`frame_specs`); None: the default "auto".
+
+  Returns:
+    A dict from each selected leaf's '/'-joined path to its frames' isometry
+    errors, shape of the frame view's batch axes.
+
+  Raises:
+    ValueError: as `frame_specs`, when the selector cannot decide a leaf or
+      selects nothing.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> so.frame_isometry_errors({"query": {"kernel": jnp.zeros((4, 1, 2))}})
+    {'query/kernel': Array([1.4142135], dtype=float32)}
   """
   return views.map_frames(geometry.isometry_error, params, frames, back=False)
 
 
 def max_isometry_error(params, frames: specs_lib.Selector = None) -> jax.Array:
-  """The largest isometry error over all selected frames.
+  """The largest isometry error ||W^T W - I||_F over all selected frames.
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> float(so.max_isometry_error({"key": {"kernel": jnp.zeros((4, 1, 1))}}))
-  1.0
+  Args:
+    params: a parameter tree.
+    frames: the frame selector (`frame_specs`); None: the default "auto".
+
+  Returns:
+    A scalar array.
+
+  Raises:
+    ValueError: as `frame_specs`.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> float(so.max_isometry_error({"key": {"kernel": jnp.zeros((4, 1, 1))}}))
+    1.0
   """
   errs = frame_isometry_errors(params, frames)
   return jnp.max(jnp.stack([jnp.max(e) for e in errs.values()]))
@@ -35,16 +60,29 @@ def max_isometry_error(params, frames: specs_lib.Selector = None) -> jax.Array:
 
 def check_frames(params, frames: specs_lib.Selector = None,
                  atol: float = 1e-5) -> None:
-  """Raises ValueError naming each selected leaf with a frame off the
-  manifold (isometry error > atol), with its error and shape.
+  """Checks that every selected frame is on the manifold.
 
-  >>> import jax, stiefel_optax as so
-  >>> w = so.orthonormal_heads_init()(jax.random.key(0), (8, 2, 4))
-  >>> so.check_frames({"query": {"kernel": w}})            # passes
-  >>> so.check_frames({"query": {"kernel": 2 * w}})
-  Traceback (most recent call last):
-  ...
-  ValueError: check_frames: 1 kernel(s) off the Stiefel manifold ...
+  Args:
+    params: a parameter tree.
+    frames: the frame selector (`frame_specs`); None: the default "auto".
+    atol: the largest isometry error ||W^T W - I||_F accepted.
+
+  Returns:
+    None.
+
+  Raises:
+    ValueError: naming each selected leaf with a frame off the manifold
+      (isometry error > atol), with its error and shape; or as
+      `frame_specs`.
+
+  Example:
+    >>> import jax, stiefel_optax as so
+    >>> w = so.orthonormal_heads_init()(jax.random.key(0), (8, 2, 4))
+    >>> so.check_frames({"query": {"kernel": w}})            # passes
+    >>> so.check_frames({"query": {"kernel": 2 * w}})
+    Traceback (most recent call last):
+    ...
+    ValueError: check_frames: 1 kernel(s) off the Stiefel manifold ...
   """
   shapes = {p: tuple(x.shape) for p, x, s in
             specs_lib.frame_specs(params, frames) if s is not None}
@@ -63,12 +101,24 @@ def frame_movement(old_params, new_params,
                    frames: specs_lib.Selector = None) -> dict:
   """{path: per-frame ||W_new - W_old||_F} for every selected leaf.
 
-  >>> import jax, stiefel_optax as so
-  >>> w = so.orthonormal_heads_init()(jax.random.key(0), (8, 2, 4))
-  >>> moved = so.frame_movement({"query": {"kernel": w}},
-  ...                            {"query": {"kernel": -w}})
-  >>> moved["query/kernel"].round(4)       # ||-W - W||_F = 2 sqrt(r), per head
-  Array([4., 4.], dtype=float32)
+  Args:
+    old_params, new_params: two parameter trees of the same structure.
+    frames: the frame selector (`frame_specs`); None: the default "auto".
+
+  Returns:
+    A dict from each selected leaf's path to the Frobenius distance each of
+    its frames moved.
+
+  Raises:
+    ValueError: as `frame_specs`, or when the trees' structures differ.
+
+  Example:
+    >>> import jax, stiefel_optax as so
+    >>> w = so.orthonormal_heads_init()(jax.random.key(0), (8, 2, 4))
+    >>> moved = so.frame_movement({"query": {"kernel": w}},
+    ...                            {"query": {"kernel": -w}})
+    >>> moved["query/kernel"].round(4)       # ||-W - W||_F = 2 sqrt(r), per head
+    Array([4., 4.], dtype=float32)
   """
   # Leaves that are no arrays (an Equinox model's functions, flags) are
   # never frames: carried as they are.

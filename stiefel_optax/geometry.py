@@ -12,7 +12,8 @@ runs a fixed step count derived from a bound on the spectrum of M (for a
 retraction: from the step norm, assuming W^T W = I); a run-time certificate
 computed from the iterates checks the result, and a fallback that takes its
 scale from M itself, correct for any full-rank A, runs when the certificate
-fails (see `retract`).
+fails (see `retract`; the derivations are in the documentation's
+Proofs page, docs/proofs.rst).
 """
 
 from __future__ import annotations
@@ -83,10 +84,21 @@ def compute_dtype(dtype) -> jnp.dtype:
 def sym(a: jax.Array) -> jax.Array:
   """sym(A) = (A + A^T) / 2 over the last two axes (square matrices).
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> so.sym(jnp.array([[0.0, 2.0], [0.0, 0.0]]))
-  Array([[0., 1.],
-         [1., 0.]], dtype=float32)
+  Args:
+    a: square matrices, shape (..., n, n).
+
+  Returns:
+    The symmetric part of each matrix, of the shape of `a`.
+
+  Raises:
+    ValueError: if `a` has rank < 2 or is not square over its last two
+      axes.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> so.sym(jnp.array([[0.0, 2.0], [0.0, 0.0]]))
+    Array([[0., 1.],
+           [1., 0.]], dtype=float32)
   """
   _check_matrices("sym", "a", a.shape)
   if a.shape[-1] != a.shape[-2]:
@@ -128,11 +140,8 @@ def _gram_cpu(a: jax.Array, b: jax.Array) -> jax.Array:
   contracts over its second-to-last axis to a generic loop over the batch,
   but a plain (..., r, d) @ (..., d, s) matmul to its batched GEMM library;
   the barrier keeps the algebraic simplifier from folding the transpose
-  back into the dot. Measured by `python -m benchmarks.speed` (table 8,
-  the copy included; runs of 2026-12-03): 1.1-1.5x faster on a GPT-2
-  small kernel (12, 768, 64) (0.8x in one run timed over 11 calls only),
-  1.0-2.6x on (4, 64, 16), and 1.1-2x on a stack of 32 frames of
-  (64, 16), from run to run. Where A is both operands or
+  back into the dot. Faster on CPU in `python -m benchmarks.speed`'s table 8
+  (the measurements: docs/performance.rst). Where A is both operands or
   several products share it, the one copy of A^T serves them all (common
   subexpressions). The summation order differs from the contraction's:
   results agree to rounding.
@@ -151,14 +160,25 @@ def project_tangent(w: jax.Array, g: jax.Array) -> jax.Array:
   """P_W(G) = G - W sym(W^T G): the orthogonal projection onto T_W St.
 
   For W on the manifold the result xi satisfies W^T xi + xi^T W = 0 and
-  G - P_W(G) = W sym(W^T G) is normal (embedded metric). W and G must have
-  the same shape.
+  G - P_W(G) = W sym(W^T G) is normal (embedded metric).
 
-  >>> import jax, jax.numpy as jnp, stiefel_optax as so
-  >>> w = so.random_frames(jax.random.key(0), (8, 3))
-  >>> xi = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
-  >>> bool(jnp.abs(w.T @ xi + xi.T @ w).max() < 1e-5)
-  True
+  Args:
+    w: frames, shape (..., d, r) with d >= r.
+    g: matrices of the same shape (nothing is broadcast).
+
+  Returns:
+    P_W(G), of the shape of `w`.
+
+  Raises:
+    ValueError: if `w` is not (..., d, r) with d >= r >= 1, or if `g`'s
+      shape differs from `w`'s.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (8, 3))
+    >>> xi = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+    >>> bool(jnp.abs(w.T @ xi + xi.T @ w).max() < 1e-5)
+    True
   """
   check_frame_shape(w.shape, "project_tangent: w")
   check_same_shape("project_tangent", "w", w.shape, "g", g.shape)
@@ -166,11 +186,21 @@ def project_tangent(w: jax.Array, g: jax.Array) -> jax.Array:
 
 
 def isometry_error(w: jax.Array) -> jax.Array:
-  """||W^T W - I||_F per frame; shape w.shape[:-2].
+  """||W^T W - I||_F per frame: how far each frame is from St(d, r).
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> float(so.isometry_error(jnp.eye(4, 2)))
-  0.0
+  Args:
+    w: frames, shape (..., d, r) with d >= r.
+
+  Returns:
+    The isometry error of each frame, shape w.shape[:-2].
+
+  Raises:
+    ValueError: if `w` is not (..., d, r) with d >= r >= 1.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> float(so.isometry_error(jnp.eye(4, 2)))
+    0.0
   """
   check_frame_shape(w.shape, "isometry_error: w")
   r = w.shape[-1]
@@ -180,13 +210,30 @@ def isometry_error(w: jax.Array) -> jax.Array:
 def random_frames(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
   """Haar-distributed orthonormal frames of shape (..., d, r).
 
-  QR of a Gaussian matrix with the signs of diag(R) folded into Q (Mezzadri
-  2007), which makes Q exactly Haar on St(d, r).
+  QR of a Gaussian matrix with the signs of diag(R) folded into Q, which
+  makes Q exactly Haar on St(d, r).
 
-  >>> import jax, stiefel_optax as so
-  >>> w = so.random_frames(jax.random.key(0), (4, 8, 3))       # 4 frames
-  >>> w.shape, bool(so.isometry_error(w).max() < 1e-5)
-  ((4, 8, 3), True)
+  Args:
+    key: a JAX PRNG key.
+    shape: (..., d, r) with d >= r >= 1; leading axes are a batch of
+      independent frames.
+    dtype: the frames' dtype (drawn in at least float32, then cast).
+
+  Returns:
+    Orthonormal frames of `shape` and `dtype`.
+
+  Raises:
+    ValueError: if `shape` is not (..., d, r) with d >= r >= 1.
+
+  References:
+    F. Mezzadri, "How to generate random matrices from the classical
+    compact groups", Notices of the AMS 54(5), 2007.
+
+  Example:
+    >>> import jax, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (4, 8, 3))       # 4 frames
+    >>> w.shape, bool(so.isometry_error(w).max() < 1e-5)
+    ((4, 8, 3), True)
   """
   shape = tuple(shape)
   check_frame_shape(shape, "random_frames: shape")
@@ -256,15 +303,29 @@ def newton_schulz_steps(max_step_norm: float = 1.0, tol: float = 1e-8, *,
   """Fewest Newton–Schulz steps that retract any step with ||xi||_F <= delta.
 
   For tangent xi at W, (W + xi)^T (W + xi) = I + xi^T xi with spectrum in
-  [1, 1 + ||xi||_2^2] subset [1, 1 + delta^2]; see `newton_schulz_residual`.
-  delta = 1 needs 4 steps, delta = 0.1 needs 2 (tol = 1e-8, below float32
-  rounding; `retract` uses `newton_schulz_tol(dtype)`, one step more in
-  float64). Non-tangent steps (tangent=False) need delta < 1 and more
-  steps (delta = 0.1: 4).
+  [1, 1 + ||xi||_2^2] subset [1, 1 + delta^2]; see `newton_schulz_residual`
+  and the Proofs page. delta = 1 needs 4 steps, delta = 0.1 needs 2
+  (tol = 1e-8, below float32 rounding; `retract` uses
+  `newton_schulz_tol(dtype)`, one step more in float64). Non-tangent steps
+  (tangent=False) need delta < 1 and more steps (delta = 0.1: 4).
 
-  >>> import stiefel_optax as so
-  >>> so.newton_schulz_steps(0.1), so.newton_schulz_steps(1.0)
-  (2, 4)
+  Args:
+    max_step_norm: the radius delta, a bound on ||xi||_F (finite, > 0).
+    tol: the worst-case eigenvalue residual to reach.
+    tangent: whether the steps are tangent at W; False uses the bound for
+      any step and needs delta < 1.
+
+  Returns:
+    The step count, an int >= 1.
+
+  Raises:
+    ValueError: if `max_step_norm` is not finite and > 0, or if it is
+      >= 1 with tangent=False.
+
+  Example:
+    >>> import stiefel_optax as so
+    >>> so.newton_schulz_steps(0.1), so.newton_schulz_steps(1.0)
+    (2, 4)
   """
   if not max_step_norm > 0 or not math.isfinite(max_step_norm):
     raise ValueError(f"max_step_norm must be finite and > 0; got {max_step_norm}.")
@@ -308,23 +369,10 @@ def newton_schulz_fallback_steps(condition_number: float, r: int,
   lambda_max, so every scaled eigenvalue lies in (0, 1], and
   c <= ||M||_F <= sqrt(r) lambda_max gives p_min >= p_0 = 1 / (sqrt(r) kappa).
   On (0, 1] the map p <- p (3 - p)^2 / 4 is increasing and p_min converges
-  last, so e_k = 1 - p_k from p_0 is the worst case:
-
-    phase 1, p <= 1/2: p grows by (3 - p)^2 / 4, from 9/4 (tiny p) down to
-      25/16; about log(1 / (2 p_0)) / log(9/4) steps,
-    phase 2, e = 1 - p <= 1/2: e <- e^2 (3 + e) / 4, quadratic
-      (1/2, 0.22, 0.039, 1.1e-3, 9.7e-7, 7.1e-13, 3.7e-25): <= 6 steps.
-
-  The loop stops after the step whose certificate (computed before it,
-  bounding the residual after it) is <= tol; that certificate is at most
-  r e_k^2 (3 + sqrt(r) e_k) / 4. With tol = `newton_schulz_accept_tol`:
-
-      kappa(M)      1     1e2   1e4   1e6   1e8   1e12  1/eps
-      float32 r=64  7     13    18    24    30    41    26
-      float64 r=64  8     14    19    25    31    42    52
-
-  (kappa(M) = kappa(W + xi)^2: a frame with singular values spread over
-  [0.1, 10] has kappa(M) = 1e4.) Each step costs three r x r products.
+  last, so e_k = 1 - p_k from p_0 is the worst case; the loop stops after
+  the step whose certificate (at most r e_k^2 (3 + sqrt(r) e_k) / 4) is
+  <= tol. Each step costs three r x r products. The two phases of the
+  count and its table by condition number: docs/proofs.rst.
   """
   if not condition_number >= 1 or not math.isfinite(condition_number):
     raise ValueError(
@@ -633,22 +681,36 @@ def polar(a: jax.Array, method: str = "eigh", *,
           num_steps: Optional[int] = None) -> jax.Array:
   """Polar factor polar(A) = A (A^T A)^(-1/2) per frame, shape (..., d, r).
 
-  Only r x r matrices are factorised; no d x r SVD.
-  method="eigh": exact inverse square root by a symmetric eigendecomposition.
-  method="newton_schulz": matmul only, correct for any full-rank A. With
+  The nearest orthonormal frame to A in Frobenius norm. Only r x r
+  matrices are factorised; no d x r SVD. With method="newton_schulz" and
   s = ||A^T A - I||_F, six coupled steps on M = A^T A (its spectrum lies in
-  [1 - s, 1 + s], so for s <= 1/2 they reach e_6 < 1e-24), checked by the
-  run-time certificate; when it fails (s large, A far from orthonormal) the
-  M-scaled fallback of `retract` runs instead. A rank-deficient A gets a
-  finite frame that is not orthonormal. `num_steps` given: exactly that many
-  steps, no certificate and no fallback (e.g. a polish of a nearly
-  orthonormal A). Newton–Schulz by default is not reverse-mode
-  differentiable (its fallback is a `lax.while_loop`).
+  [1 - s, 1 + s], so for s <= 1/2 they reach e_6 < 1e-24) are checked by
+  the run-time certificate; when it fails (s large, A far from
+  orthonormal) the M-scaled fallback of `retract` runs instead. A
+  rank-deficient A gets a finite frame that is not orthonormal.
 
-  >>> import jax, stiefel_optax as so
-  >>> a = 3.0 * jax.random.normal(jax.random.key(0), (8, 3))   # any full rank
-  >>> bool(so.isometry_error(so.polar(a, "newton_schulz")) < 1e-5)
-  True
+  Args:
+    a: full-rank matrices, shape (..., d, r) with d >= r.
+    method: "eigh" (default): the exact inverse square root by a symmetric
+      eigendecomposition; "newton_schulz": matmul only, correct for any
+      full-rank A, not reverse-mode differentiable by default (its
+      fallback is a `lax.while_loop`).
+    num_steps: Newton–Schulz only: exactly that many steps, no certificate
+      and no fallback (e.g. a polish of a nearly orthonormal A).
+
+  Returns:
+    The polar factors, of the shape and dtype of `a` (computed in at least
+    float32).
+
+  Raises:
+    ValueError: if `a` is not (..., d, r) with d >= r >= 1, or `method` is
+      not one of "eigh", "newton_schulz".
+
+  Example:
+    >>> import jax, stiefel_optax as so
+    >>> a = 3.0 * jax.random.normal(jax.random.key(0), (8, 3))   # any full rank
+    >>> bool(so.isometry_error(so.polar(a, "newton_schulz")) < 1e-5)
+    True
   """
   check_frame_shape(a.shape, "polar: a")
   _check_method("polar", method)
@@ -672,84 +734,71 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
 
   The r x r matrix inverted is M = (W + xi)^T (W + xi), formed from W + xi
   itself so that a frame which rounding moved slightly off the manifold is
-  pulled back onto it. W and xi must have the same shape.
+  pulled back onto it. method="newton_schulz" (matmul only) has three parts
+  (derivations, step counts and tables: docs/proofs.rst):
 
-  method="eigh": exact, any step. method="newton_schulz" (matmul only) has
-  a fast path, a certificate and a fallback:
+  * Fast path. For tangent xi and W on the manifold M = I + xi^T xi, whose
+    spectrum lies in [1, 1 + ||xi||_F^2]; the coupled Newton–Schulz
+    iteration scales by that per-frame bound and runs a step count sized
+    for it: `newton_schulz_steps(max_step_norm, newton_schulz_tol(dtype))`
+    (2 for the default trust region 0.1 in float32), or, with no radius,
+    a count found at run time from the actual step norms.
+  * Certificate. With R = Z Y - I of the last step, rho = ||R||_F bounds
+    the returned frame's isometry error by rho^2 (3 + rho) / 4, at no
+    extra product, and 1 + ||M - I||_F <= 5/2 c excludes a non-principal
+    square root. If any frame fails (W not orthonormal, a step longer than
+    the radius, a non-finite frame), a `lax.cond` on device runs the
+    fallback for the whole batch; on the fast path's domain both tests
+    pass by construction.
+  * Fallback. The iteration scaled by c = min(||M||_F, 1 + ||M - I||_F) >=
+    lambda_max(M), in a `lax.while_loop` until certified, in two passes
+    (the second from the first result's Gram matrix). A rank-deficient
+    W + xi (a zero head) gets a finite frame that is not orthonormal: no
+    NaN.
 
-  Fast path. For tangent xi and W on the manifold M = I + xi^T xi, whose
-  spectrum lies in [1, 1 + ||xi||_F^2]; Newton–Schulz scales by that
-  per-frame bound. max_step_norm=delta: `newton_schulz_steps(delta, tol)`
-  steps, tol = `newton_schulz_tol(dtype)`, exact to rounding whenever
-  ||xi||_F <= delta. max_step_norm=None (default): the count is found at run
-  time from the actual step norms (a `lax.while_loop`), so every step
-  length is sized right. tangent=False: the bound for any xi
-  (`step_spectrum`) with a radius < 1; with no radius it goes straight to
-  the fallback, as no bound from the step exists.
+  Costs and limits. Fast path: two d x r x r products (M and A Z), one
+  r x r product for the first step and three for each other, two O(r^2)
+  reductions and the cond. Under `jax.vmap` the cond becomes a select and
+  both branches run (batch frames along leading axes instead, as the
+  library does). Newton–Schulz is not reverse-mode differentiable (the
+  fallback and the run-time count are while loops); forward mode works,
+  and `num_steps` or method="eigh" give a differentiable retraction.
 
-  Certificate. In the coupled iteration Q^T Q = Z Y (all are polynomials
-  in M), and a step maps R = Z Y - I to -R^2 (3I - R) / 4, so
-  rho^2 (3 + rho) / 4 with rho = ||R||_F of the R that the last step forms
-  anyway bounds the returned frame's isometry error, with no extra product
-  (`_residual_bounds`). Z Y -> I alone would also accept another square
-  root: an eigenvalue p > 3 of M/c gives T = (3 - p)/2 < 0 and flips that
-  direction (a frame, but not polar(W + xi)); the scale check
-  1 + ||M - I||_F <= 5/2 c excludes it. If any frame fails either test or
-  is not finite, which happens when W is not orthonormal (a pretrained or
-  Flax-scaled kernel: from p > 3 the fixed iteration diverges) or the step
-  is longer than delta, a `lax.cond` (on device, no host sync) runs the
-  fallback for the whole batch. On the fast path's domain both tests pass
-  by construction (`_fast_path_steps` adds a step where the worst case
-  needs it), so the fallback never runs there.
+  Args:
+    w: frames, shape (..., d, r) with d >= r.
+    xi: steps of the same shape (nothing is broadcast).
+    method: "newton_schulz" (default, matmul only) or "eigh" (exact, any
+      step).
+    max_step_norm: a radius delta with ||xi||_F <= delta, which fixes the
+      fast path's step count at trace time; None (default): counted at run
+      time from the step norms.
+    num_steps: exactly that many steps with the scale from the step norm,
+      no certificate and no fallback (to measure the iteration).
+    tangent: False when xi is not tangent at W: the fixed count then uses
+      the bound for any step, with a radius < 1; with no radius the
+      fallback runs directly.
+    step_norm: ||xi||_F per frame (shape xi.shape[:-2]) where the caller
+      already has it (`stiefel_adam` takes it from its momentum), so that
+      xi is not read once more; None: computed here. Only the Newton–Schulz
+      scale uses it, and the certificate checks the result, so a value off
+      by rounding (or by more) costs at most the fallback.
 
-  Fallback. The M-scaled iteration: c = min(||M||_F, 1 + ||M - I||_F) >=
-  lambda_max puts every eigenvalue in (0, 1], where it cannot diverge or
-  flip, and a `lax.while_loop` runs until certified; two passes (the second
-  from the Gram matrix of the first result) absorb the rounding of forming
-  M, which limits any single pass to ~eps kappa(M). Steps:
-  `newton_schulz_fallback_steps` (about log(sqrt(r) kappa(M)) / log(9/4) + 6
-  per pass), at most `newton_schulz_max_steps`. A rank-deficient W + xi (a
-  zero head) gets a finite frame that is not orthonormal: no NaN.
+  Returns:
+    The retracted frames polar(W + xi), of the shape and dtype of `w`
+    (computed in at least float32).
 
-  num_steps given: exactly that many steps with the scale from the step
-  norm, no certificate and no fallback (to measure the iteration).
+  Raises:
+    ValueError: if `w` is not (..., d, r) with d >= r >= 1, `xi` (or
+      `step_norm`) has another shape, `method` is unknown, or
+      `max_step_norm` is not a valid radius (not > 0; not < 1 with
+      tangent=False).
 
-  step_norm: ||xi||_F per frame (shape xi.shape[:-2]) where the caller
-  already has it (`stiefel_adam` takes it from its momentum), so that xi
-  is not read once more for it; None: computed here. Only the
-  Newton–Schulz scale uses it, and the certificate checks the result, so
-  a value off by rounding (or by more) costs at most the fallback.
-
-  Costs and limits. Fast path: the two d x r x r products of M and A Z, one
-  r x r product for the first step and three for each other, plus two
-  O(r^2) reductions (rho and ||M - I||_F) and the cond. Under `jax.vmap`
-  the `lax.cond` becomes a select and both branches run (batch frames
-  along leading axes instead, as the library does). The Newton–Schulz
-  retraction is not reverse-mode differentiable (the fallback and the
-  run-time count are `lax.while_loop`s); forward mode works, and num_steps
-  or method="eigh" give a differentiable one.
-
-  Newton–Schulz iteration count, from the bound. With delta =
-  max_step_norm and s = ||xi||_F^2 <= delta^2, M / c with c = 1 + s/2 has
-  its eigenvalues p in [1 - e_0, 1 + e_0], e_0 = s / (2 + s). In each
-  eigen-direction one coupled step maps e = 1 - p to
-  e^2 (3 + e) / 4, and after K steps the returned frame Q = A Z satisfies
-  Q^T Q = I - E with the eigenvalues of E in [0, e_K], so
-  ||Q^T Q - I||_F <= sqrt(r) e_K. K is the least with e_K <= tol:
-
-      delta = 0.1: e_0 = 5.0e-3, e_1 = 1.9e-5, e_2 = 2.6e-10   -> K = 2
-      delta = 0.5: e_0 = 0.11, ..., e_3 = 3.6e-9               -> K = 3
-      delta = 1:   e_0 = 1/3, 9.3e-2, 6.6e-3, 3.3e-5, 8.2e-10  -> K = 4
-
-  (tol = 1e-8 for float32, so sqrt(r) e_K stays far below float32 rounding
-  of ~1e-7 sqrt(r), which then sets the isometry error; float64's tol
-  ~1e-15 adds one step.)
-
-  >>> import jax, stiefel_optax as so
-  >>> w = so.random_frames(jax.random.key(0), (8, 3))
-  >>> xi = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
-  >>> bool(so.isometry_error(so.retract(w, 0.1 * xi)) < 1e-5)
-  True
+  Example:
+    >>> import jax, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (8, 3))
+    >>> xi = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+    >>> bool(so.isometry_error(so.retract(w, 0.1 * xi)) < 1e-5)
+    True
   """
   check_frame_shape(w.shape, "retract: w")
   check_same_shape("retract", "w", w.shape, "xi", xi.shape)

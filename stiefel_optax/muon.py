@@ -9,94 +9,15 @@ Three pieces, each small and pure:
 * `stiefel_muon`: the optimizer, an `optax.chain` of the library's tangent
   projection, this transform, the learning rate and the polar retraction.
 
-The polar factor of the tangent momentum.
------------------------------------------
-msign(X) = U V^T for X = U S V^T (thin SVD); a zero singular value maps to
-zero (so msign(0) = 0), and for full-rank X, msign(X) = X (X^T X)^(-1/2).
-Matmul-only: X_0 = X / (1.01 ||X||_F) puts every singular value in
-(0, 1/1.01], and each step applies an odd polynomial to the singular values,
-
-    X_{k+1} = a_k X_k + b_k X_k S_k + c_k X_k S_k^2,   S_k = X_k^T X_k,
-
-i.e. sigma <- p_k(sigma) = a_k sigma + b_k sigma^3 + c_k sigma^5, with two
-d x r x r products (S_k and X_k P_k) and one r x r x r product per step (no
-d x d matrix is formed). The coefficients are those of the Polar Express
-(Amsel, Persson, Musco and Gower, "The Polar Express: Optimal Matrix Sign
-Methods and Their Application to the Muon Algorithm", arXiv 2505.16932,
-Algorithm 1, degree 5, designed for sigma in [1e-3, 1]): seven minimax-
-optimal steps p_1..p_7, each divided by its 1.01 safety factor
-(p_k(x / 1.01)), then the fixed tail q(x) = (15 x - 10 x^3 + 3 x^5) / 8
-repeated. Why it converges (checked by interval arithmetic in the tests,
-`test_schedule_converges_by_interval_arithmetic`): every p_k is positive on
-the interval its inputs can occupy, and after the seven steps every
-singular value lies in (0, 1); the tail has q(1) = 1,
-q'(x) = 15 (1 - x^2)^2 / 8 >= 0 and q(x) - x = x (1 - x^2)(7 - 3 x^2) / 8 > 0
-on (0, 1), so from (0, 1) the iterates rise monotonically to 1, with
-1 - q(1 - e) <= 5 e^3 / 2 (cubic convergence; q'(1) = 0, so the fixed point
-also absorbs rounding). Muon's fixed (3.4445, -4.775, 2.0315) is NOT used:
-it has no fixed point at 1 and stalls at an error near 0.3.
-
-Small singular values. A singular value sigma of X with
-sigma / ||X||_F < tau is not mapped to 1 to rounding (its direction is only
-partly orthogonalised; below about tau / 3000 it barely moves: a tiny
-sigma only grows by the product of the a_k). From the scalar map, exact
-arithmetic, tau for num_steps steps (the first error <= eps reached for
-every larger sigma; tol 1e-7 for float32, 1e-16 for float64):
-
-    num_steps    8        9        10 (default)   12       16
-    float32   6.8e-4   3.8e-4   2.1e-4        5.8e-5   4.7e-6
-    float64   ~1e-3*   6.0e-4   3.3e-4        9.3e-5   7.6e-6
-
-(* 8 steps reach 2.7e-16 in float64, a few ulp.) Each step past the eighth
-halves tau (the tail's slope at 0 is 15/8). A tiny sigma grows by at most
-g = prod a_k / 1.01 (6.3e3 at 8 steps, 2.2e4 at 10, 7.8e4 at 12), which
-also bounds what rounding does to a rank-deficient X: its rounding-level
-singular values (~eps ||X||_F) come out at most ~g eps, about 5e-12 in
-float64 and 3e-3 in float32 at 10 steps, far below 1, so the bounds on the
-direction below still hold. In terms of conditioning:
-sigma_min / ||X||_F >= 1 / (sqrt(r) kappa(X)), so num_steps = 10 is exact
-to rounding for kappa(X) <= 1 / (2.1e-4 sqrt(r)) in float32 (r = 64:
-kappa <= 590). num_steps < 8 stops inside the Polar Express phase (like
-Muon's 5 steps): an approximation with singular values in about
-[0.7, 1.2], not the polar factor. method="eigh" gives the exact factor
-from an r x r eigendecomposition of X^T X instead (with eigenvalues below
-r eps lambda_max treated as zero); it is the slow path on GPU for r > 32.
-
-The step and its norm.
-----------------------
-With W orthonormal and U = msign(m), ||U||_2 <= 1 (= 1 unless m = 0), the
-direction is re-projected, D = P_W(U) = U - W sym(W^T U), since U itself is
-not tangent in general. Bounds on D (certified in the tests):
-
-    ||D||_F <= ||U||_F = sqrt(rank m) <= sqrt(r)     (P_W is an orthogonal
-                                                      projection)
-    1 <= ||D||_2 <= 2 / sqrt(3) ~= 1.1547            (m != 0; the upper bound
-                                                      tight for d >= 3, r >= 2;
-                                                      ||D||_2 = 1 for r = 1)
-
-Proof of the spectral bound: write U = W A + W_perp B (A = W^T U r x r,
-B = W_perp^T U), so D = W skew(A) + W_perp B. For a unit vector v,
-||D v||^2 = ||skew(A) v||^2 + ||B v||^2, with ||B v||^2 = ||U v||^2 -
-||A v||^2 <= 1 - a^2 (a = ||A v||) and ||skew(A) v|| <= (||A v|| +
-||A^T v||) / 2 <= (a + 1) / 2 (||A||_2 <= ||U||_2 <= 1). So
-||D v||^2 <= 1 - a^2 + (a + 1)^2 / 4 = 5/4 + a/2 - 3 a^2 / 4 <= 4/3, the
-maximum at a = 1/3. Equality: r = 2, U = [-w2/3 + sqrt(8/9) w3, w1] (W =
-[w1, w2], w3 normal to W) is orthonormal and equals msign(X) for the
-tangent X = U diag(3, 1) (W^T X = [[0, 1], [-1, 0]]), and ||D e_1||^2 = 4/3.
-For r = 1, skew(A) = 0 and ||D||_2 = ||B||_2 <= 1. From below: for tangent
-m != 0, <D, m> = <U, m> = ||m||_* (nuclear norm; P_W is self-adjoint and
-P_W(m) = m), and <D, m> <= ||D||_2 ||m||_* (the spectral and nuclear norms
-are dual), so ||D||_2 >= 1: re-projection never shortens the step below the
-ambient Muon step, and D is a descent direction for the momentum.
-
-Trust-region consequence: the step xi = -lr D has
-lr <= ||xi||_2 <= 1.155 lr and ||xi||_F <= lr sqrt(r), whatever the
-gradient's scale. So for tangent xi the
-retraction's matrix (W + xi)^T (W + xi) = I + xi^T xi has its spectrum in
-[1, 1 + 4 lr^2 / 3], and the Newton–Schulz step count of
-`geometry.newton_schulz_steps(max_step_norm)` with max_step_norm =
-lr_max sqrt(r) is valid without any clipping: a cap clip_frame_norm(delta)
-with delta >= lr_max sqrt(r) never binds and only fixes that count.
+msign iterates X_{k+1} = a_k X_k + b_k X_k S_k + c_k X_k S_k^2 with
+S_k = X_k^T X_k from X_0 = X / (1.01 ||X||_F): seven Polar Express steps
+(Amsel, Persson, Musco and Gower, arXiv 2505.16932, Algorithm 1, degree 5),
+each divided by its 1.01 safety factor, then the quintic
+q(x) = (15 x - 10 x^3 + 3 x^5) / 8 repeated. The direction
+D = P_W(msign(m)) has 1 <= ||D||_2 <= 2 / sqrt(3) (tight) and
+||D||_F <= sqrt(r). Why the schedule converges, the singular-value
+threshold by step count, the bounds on D with their proof and the
+trust-region consequence: docs/proofs.rst ("Manifold Muon").
 """
 
 from __future__ import annotations
@@ -165,19 +86,47 @@ def msign(x: jax.Array, num_steps: int = DEFAULT_MSIGN_STEPS, *,
           method: str = "polar_express") -> jax.Array:
   """The orthogonal polar factor U V^T of x = U S V^T, per frame.
 
-  x has shape (..., d, r) with d >= r; the result has the same shape and
-  dtype (computed in at least float32). msign(0) = 0 and zero singular
-  values stay zero. method="polar_express" (default): matmul only,
-  `num_steps` odd-polynomial steps (Polar Express, then the Newton–Schulz
-  quintic; see the module docstring for the coefficients, the convergence
-  argument and the singular-value threshold, 2.1e-4 ||x||_F in float32 at
-  the default 10 steps). The result is scale free: msign(c x) = msign(x)
-  for c > 0. method="eigh": exact, by an r x r eigendecomposition.
+  msign(0) = 0 and zero singular values stay zero; for full-rank x,
+  msign(x) = x (x^T x)^(-1/2). The result is scale free: msign(c x) =
+  msign(x) for c > 0. From X_0 = x / (1.01 ||x||_F) each step applies an
+  odd polynomial to the singular values,
 
-  >>> import jax, stiefel_optax as so
-  >>> u = so.msign(jax.random.normal(jax.random.key(0), (8, 3)))
-  >>> bool(so.isometry_error(u) < 1e-5)
-  True
+  ::
+
+      X_{k+1} = a_k X_k + b_k X_k S_k + c_k X_k S_k^2,   S_k = X_k^T X_k,
+
+  two d x r x r products and one r x r x r product per step (no d x d
+  matrix is formed): the seven Polar Express steps, then the Newton–Schulz
+  quintic (15 x - 10 x^3 + 3 x^5) / 8. A singular value below about
+  2.1e-4 ||x||_F (float32, 10 steps) is not mapped to 1 to rounding; the
+  threshold by step count and why the schedule converges: docs/proofs.rst.
+
+  Args:
+    x: matrices, shape (..., d, r) with d >= r.
+    num_steps: polynomial steps (method="polar_express"); below 8 the result
+      is an approximation with singular values in about [0.7, 1.2], not the
+      polar factor.
+    method: "polar_express" (default, matmul only) or "eigh" (exact, by an
+      r x r eigendecomposition of x^T x; eigenvalues below r eps lambda_max
+      count as zero).
+
+  Returns:
+    msign(x), of the shape and dtype of `x` (computed in at least float32).
+
+  Raises:
+    ValueError: if `x` is not (..., d, r) with d >= r >= 1, `num_steps` is
+      not an integer >= 1, or `method` is unknown.
+
+  References:
+    N. Amsel, D. Persson, C. Musco and R. M. Gower, "The Polar Express:
+    Optimal Matrix Sign Methods and Their Application to the Muon
+    Algorithm", arXiv 2505.16932, 2025.
+
+  Example:
+    >>> import jax, stiefel_optax as so
+    >>> u = so.msign(jax.random.normal(jax.random.key(0), (8, 3)))
+    >>> bool(so.isometry_error(u) < 1e-5)
+    True
   """
   geometry.check_frame_shape(x.shape, "x")
   if method not in MSIGN_METHODS:
@@ -200,14 +149,26 @@ def tangent_msign(w: jax.Array, m: jax.Array,
   """D = P_W(msign(m)): the polar factor re-projected to T_W St.
 
   For W orthonormal and tangent m != 0, ||D||_F <= sqrt(r) and
-  1 <= ||D||_2 <= 2 / sqrt(3) (tight); see the module docstring.
+  1 <= ||D||_2 <= 2 / sqrt(3) (tight; proof in docs/proofs.rst).
 
-  >>> import jax, jax.numpy as jnp, stiefel_optax as so
-  >>> w = so.random_frames(jax.random.key(0), (8, 3))
-  >>> d = so.tangent_msign(w, so.project_tangent(
-  ...     w, jax.random.normal(jax.random.key(1), (8, 3))))
-  >>> bool(jnp.abs(w.T @ d + d.T @ w).max() < 1e-5)
-  True
+  Args:
+    w: frames, shape (..., d, r) with d >= r.
+    m: momenta of the same shape.
+    num_steps, method: of `msign`.
+
+  Returns:
+    D, of the shape of `w`, tangent at W.
+
+  Raises:
+    ValueError: as `msign` and `project_tangent`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (8, 3))
+    >>> d = so.tangent_msign(w, so.project_tangent(
+    ...     w, jax.random.normal(jax.random.key(1), (8, 3))))
+    >>> bool(jnp.abs(w.T @ d + d.T @ w).max() < 1e-5)
+    True
   """
   return geometry.project_tangent(w, msign(m, num_steps, method=method))
 
@@ -217,9 +178,14 @@ SPECTRAL_BOUND = 2.0 / 3.0 ** 0.5
 
 
 class ScaleByTangentMsignState(NamedTuple):
-  """State of `scale_by_tangent_msign`: mu, the tangent momentum, one entry
-  per element (no count: the polar factor is scale free, so Adam-style bias
-  corrections would change nothing)."""
+  """State of `scale_by_tangent_msign`.
+
+  No count: the polar factor is scale free, so Adam-style bias corrections
+  would change nothing.
+
+  Attributes:
+    mu: the tangent momentum, one entry per element of each frame.
+  """
   mu: optax.Updates
 
 
@@ -230,7 +196,7 @@ def scale_by_tangent_msign(b1: float = 0.95, nesterov: bool = True, *,
                            ) -> optax.GradientTransformation:
   """Momentum on the tangent space; the update is P_W(msign(momentum)).
 
-  With g the incoming (tangent) gradient of a frame W:
+  With g the incoming (tangent) gradient of a frame W::
 
       m = P_W(b1 m + (1 - b1) g)          = b1 P_W(m) + (1 - b1) g
       n = b1 m + (1 - b1) g   (nesterov)  or   n = m
@@ -259,13 +225,26 @@ def scale_by_tangent_msign(b1: float = 0.95, nesterov: bool = True, *,
     num_steps, method: of `msign`.
     mu_dtype: dtype of the momentum (default: that of the params).
 
-  >>> import jax, jax.numpy as jnp, stiefel_optax as so
-  >>> w = so.random_frames(jax.random.key(0), (8, 3))
-  >>> tx = so.scale_by_tangent_msign()
-  >>> g = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
-  >>> d, _ = tx.update(g, tx.init(w), w)
-  >>> bool(1.0 - 1e-4 <= float(jnp.linalg.norm(d, 2)) <= 1.155)   # ||D||_2
-  True
+  Returns:
+    An `optax.GradientTransformation` whose state is a
+    `ScaleByTangentMsignState`; its update needs params.
+
+  Raises:
+    ValueError: if `num_steps` or `method` is invalid (at once), or at init
+      if a leaf cannot hold frames, or at update without params.
+
+  References:
+    K. Jordan et al., "Muon: An optimizer for hidden layers in neural
+    networks", 2024, https://kellerjordan.github.io/posts/muon/.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (8, 3))
+    >>> tx = so.scale_by_tangent_msign()
+    >>> g = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+    >>> d, _ = tx.update(g, tx.init(w), w)
+    >>> bool(1.0 - 1e-4 <= float(jnp.linalg.norm(d, 2)) <= 1.155)   # ||D||_2
+    True
   """
   msign_coefficients(num_steps)          # validates num_steps now
   if method not in MSIGN_METHODS:
@@ -317,7 +296,7 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
                  ) -> optax.GradientTransformation:
   """Manifold Muon on St(d, r): W+ = polar(W - lr P_W(msign(momentum))).
 
-  Per frame W with Euclidean gradient G:
+  Per frame W with Euclidean gradient G::
 
       g  = P_W(G) = G - W sym(W^T G)
       m  = b1 P_W(m) + (1 - b1) g,   n = b1 m + (1 - b1) g   (nesterov)
@@ -335,8 +314,7 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
   on the Stiefel manifold under the spectral norm, 2025). Re-projection
   changes the norm: 1 <= ||D||_2 <= 2/sqrt(3) (tight) and
   ||D||_F <= sqrt(r), so the step's size is set by the learning rate alone,
-  whatever the gradient's scale (derivation in the `stiefel_optax.muon`
-  docstring), and the direction is a descent direction, <D, n> = ||n||_*.
+  whatever the gradient's scale (derivation in docs/proofs.rst), and the direction is a descent direction, <D, n> = ||n||_*.
 
   Trust region: ||xi||_F <= lr sqrt(r) already, so no cap is needed
   (max_step_norm=None; the Newton–Schulz retraction then counts its steps
@@ -349,25 +327,6 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
   10), 2 for the re-projection and 2 for the retraction: 28, against 6 for
   `stiefel_adam`. r x r work is extra (one product per msign step).
 
-  Example (the top-2 eigenspace of A, i.e. maximise tr(W^T A W)):
-
-  >>> import jax, jax.numpy as jnp, optax
-  >>> from stiefel_optax import geometry
-  >>> from stiefel_optax.muon import stiefel_muon
-  >>> a = jnp.diag(jnp.arange(8.0))               # top-2 sum: 7 + 6 = 13
-  >>> loss = lambda w: -jnp.trace(w.T @ a @ w)
-  >>> w = geometry.random_frames(jax.random.key(0), (8, 2))
-  >>> tx = stiefel_muon(optax.exponential_decay(0.1, 1, 0.97))
-  >>> state = tx.init(w)
-  >>> @jax.jit
-  ... def step(w, state):
-  ...   updates, state = tx.update(jax.grad(loss)(w), state, w)
-  ...   return optax.apply_updates(w, updates), state
-  >>> for _ in range(300):
-  ...   w, state = step(w, state)
-  >>> print(f"{-loss(w):.4f}", bool(geometry.isometry_error(w) < 1e-5))
-  13.0000 True
-
   Args:
     learning_rate: a float or an optax schedule (the spectral step size).
     b1, nesterov: momentum decay and Nesterov look-ahead (Muon's defaults).
@@ -378,6 +337,41 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
     retraction: "newton_schulz" (matmul only, default) or "eigh".
     mu_dtype: dtype of the momentum.
     orthonormal_start: as in `stiefel_adam`.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with the state of the chain
+    project_to_tangent, scale_by_tangent_msign, scale_by_learning_rate
+    (and clip_frame_norm), retract_polar; its update needs params.
+
+  Raises:
+    ValueError: for an invalid `msign_steps`, `msign_method`, `retraction`,
+      `orthonormal_start` or `max_step_norm` (at once); at init, for a leaf
+      that cannot hold frames or a frame that is rank-deficient or
+      (orthonormal_start="check") not orthonormal.
+
+  References:
+    J. Bernstein, "Modular Manifolds", Thinking Machines Lab, 2025.
+    F. Cesista, steepest descent on the Stiefel manifold under the spectral
+    norm, 2025.
+
+  Example (the top-2 eigenspace of A, i.e. maximise tr(W^T A W)):
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from stiefel_optax import geometry
+    >>> from stiefel_optax.muon import stiefel_muon
+    >>> a = jnp.diag(jnp.arange(8.0))               # top-2 sum: 7 + 6 = 13
+    >>> loss = lambda w: -jnp.trace(w.T @ a @ w)
+    >>> w = geometry.random_frames(jax.random.key(0), (8, 2))
+    >>> tx = stiefel_muon(optax.exponential_decay(0.1, 1, 0.97))
+    >>> state = tx.init(w)
+    >>> @jax.jit
+    ... def step(w, state):
+    ...   updates, state = tx.update(jax.grad(loss)(w), state, w)
+    ...   return optax.apply_updates(w, updates), state
+    >>> for _ in range(300):
+    ...   w, state = step(w, state)
+    >>> print(f"{-loss(w):.4f}", bool(geometry.isometry_error(w) < 1e-5))
+    13.0000 True
   """
   # optax.chain(project, msign, lr, cap, retract), computed in one pass as
   # `stiefel_adam`'s (`aliases._one_pass`), with that chain's state.

@@ -18,9 +18,9 @@ and every whole-batch decision (the retraction's certificate, the
 cancellation guard) is taken once per stack. That saves per-operation
 overhead (kernel launches on an accelerator) but costs a copy of W and G
 into the stack and of the update out of it, and on a CPU a stack larger
-than its caches makes every pass of the step go to memory (GPT-2 small's
-update: 1.7x slower stacked; 8 patch-ViT kernels (4, 64, 16): 1.6x faster;
-`benchmarks/results/speed.md`). `stack_frames="auto"` therefore stacks only
+than its caches makes every pass of the step go to memory (stacked, GPT-2
+small's update ran slower and 8 patch-ViT kernels (4, 64, 16) faster on a
+CPU: docs/performance.rst). `stack_frames="auto"` therefore stacks only
 up to AUTO_STACK_BYTES per stack and leaves larger frames per leaf.
 Stacking along a new axis keeps each leaf's sharding of its own axes, so
 leaves sharded alike stack without moving data; stack only leaves that are
@@ -40,7 +40,14 @@ from stiefel_optax import geometry, specs as specs_lib, transforms, views
 
 
 class FramePartitionState(NamedTuple):
-  """State of `frame_partition`: each group's inner state."""
+  """State of `frame_partition`: each group's inner state.
+
+  Attributes:
+    stiefel: the state of the Stiefel transform, over the frame views (or,
+      with `stack_frames`, over their stacks).
+    euclidean: the state of the Euclidean transform, over the other leaves
+      and parts.
+  """
   stiefel: optax.OptState
   euclidean: optax.OptState
 
@@ -192,7 +199,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
       orthonormal; "project": accepted, and the first step's polar
       retraction lands them on the manifold (the model's function changes
       at that step). Rank-deficient frames are an error either way.
-    stack_frames: True: `stiefel_tx` sees a tuple of stacks (k, *view) of
+    stack_frames: True: `stiefel_tx` sees a tuple of stacks (k, ``*view``) of
       the frame views of equal shape and dtype (see the module docstring)
       instead of the tree (its tree-structured options no longer apply),
       and its state is over those stacks; a frame view with no equal
@@ -200,18 +207,30 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
       most AUTO_STACK_BYTES (larger frames stand alone). False (default):
       one frame view per leaf, in the tree's structure.
 
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    `FramePartitionState`; its update needs params (extra arguments go to
+    `euclidean_tx`).
+
+  Raises:
+    ValueError: for an invalid `orthonormal_start` or `stack_frames` (at
+      once); at init, as `frame_specs` or for a selected frame that is
+      rank-deficient or (orthonormal_start="check") not orthonormal; at
+      update, without params, for updates whose tree differs from params',
+      or for a Stiefel state made with another `stack_frames` setting.
+
   Example (a raw frame tree, all leaves frames):
 
-  >>> import jax, optax, stiefel_optax as so
-  >>> w = {"q": so.random_frames(jax.random.key(0), (2, 16, 4)
-  ...                            ).transpose(1, 0, 2)}     # (d, heads, r)
-  >>> tx = so.frame_partition(so.stiefel_adam(1e-2), None,
-  ...                         frames=so.FrameSpec(rows=0, cols=2))
-  >>> state = tx.init(w)
-  >>> u, state = tx.update(jax.tree.map(jax.numpy.ones_like, w), state, w)
-  >>> bool(so.max_isometry_error(optax.apply_updates(w, u),
-  ...                            frames=so.FrameSpec(rows=0, cols=2)) < 1e-5)
-  True
+    >>> import jax, optax, stiefel_optax as so
+    >>> w = {"q": so.random_frames(jax.random.key(0), (2, 16, 4)
+    ...                            ).transpose(1, 0, 2)}     # (d, heads, r)
+    >>> tx = so.frame_partition(so.stiefel_adam(1e-2), None,
+    ...                         frames=so.FrameSpec(rows=0, cols=2))
+    >>> state = tx.init(w)
+    >>> u, state = tx.update(jax.tree.map(jax.numpy.ones_like, w), state, w)
+    >>> bool(so.max_isometry_error(optax.apply_updates(w, u),
+    ...                            frames=so.FrameSpec(rows=0, cols=2)) < 1e-5)
+    True
   """
   transforms.check_orthonormal_start_arg(orthonormal_start)
   limit = stack_limit(stack_frames)

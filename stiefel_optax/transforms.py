@@ -1,7 +1,7 @@
 """Optax transforms of the Riemannian Adam on Stiefel frames.
 
 Each transform acts on leaves whose last two axes are one frame (d, r) and
-needs `params` (the current frames W). Chained as in `aliases.stiefel_adam`:
+needs `params` (the current frames W). Chained as in `aliases.stiefel_adam`::
 
     project_to_tangent -> scale_by_frame_adam -> scale_by_learning_rate
       -> clip_frame_norm -> retract_polar
@@ -192,12 +192,27 @@ def project_to_tangent(orthonormal_start: str = "check"
   rank-deficient or (orthonormal_start="check") not orthonormal; with
   "project" the first retraction lands such frames on the manifold.
 
-  >>> import jax, jax.numpy as jnp, stiefel_optax as so
-  >>> w = so.random_frames(jax.random.key(0), (8, 2))
-  >>> tx = so.project_to_tangent()
-  >>> g, _ = tx.update(jnp.ones((8, 2)), tx.init(w), w)
-  >>> bool(jnp.abs(w.T @ g + g.T @ w).max() < 1e-6)     # tangent at w
-  True
+  Args:
+    orthonormal_start: "check" (default) or "project".
+
+  Returns:
+    An `optax.GradientTransformation` (state `optax.EmptyState`); its update
+    needs params.
+
+  Raises:
+    ValueError: for an unknown `orthonormal_start` (at once); at init, for a
+      leaf that cannot hold frames (rank < 2, r > d, not floating point) or
+      a frame that is rank-deficient or, with "check", not orthonormal; at
+      update, without params or for an update whose shape is not its
+      frame's.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (8, 2))
+    >>> tx = so.project_to_tangent()
+    >>> g, _ = tx.update(jnp.ones((8, 2)), tx.init(w), w)
+    >>> bool(jnp.abs(w.T @ g + g.T @ w).max() < 1e-6)     # tangent at w
+    True
   """
   check_orthonormal_start_arg(orthonormal_start)
 
@@ -219,12 +234,23 @@ def check_orthonormal_start(orthonormal_start: str = "check"
   raises as `project_to_tangent`'s does; `update` checks shapes and passes
   the gradients through unchanged.
 
-  >>> import jax, jax.numpy as jnp, stiefel_optax as so
-  >>> w = so.random_frames(jax.random.key(0), (8, 2))
-  >>> tx = so.check_orthonormal_start()
-  >>> g, _ = tx.update(jnp.ones((8, 2)), tx.init(w), w)
-  >>> bool((g == 1).all())
-  True
+  Args:
+    orthonormal_start: "check" (default) or "project".
+
+  Returns:
+    An `optax.GradientTransformation` (state `optax.EmptyState`); its update
+    needs params.
+
+  Raises:
+    ValueError: as `project_to_tangent`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (8, 2))
+    >>> tx = so.check_orthonormal_start()
+    >>> g, _ = tx.update(jnp.ones((8, 2)), tx.init(w), w)
+    >>> bool((g == 1).all())
+    True
   """
   check_orthonormal_start_arg(orthonormal_start)
 
@@ -244,8 +270,10 @@ def check_orthonormal_start(orthonormal_start: str = "check"
 class ScaleByFrameAdamState(NamedTuple):
   """State of `scale_by_frame_adam`.
 
-  count: steps taken, shape (); mu: first moment, one entry per element;
-  nu: second moment, ONE scalar per frame (shape leaf.shape[:-2]).
+  Attributes:
+    count: steps taken, shape ().
+    mu: first moment, one entry per element.
+    nu: second moment, ONE scalar per frame (shape leaf.shape[:-2]).
   """
   count: chex.Array
   mu: optax.Updates
@@ -268,6 +296,22 @@ def tangent_sq_norm(w: jax.Array, g: jax.Array, a: jax.Array) -> jax.Array:
   normal to the manifold) float32 cancellation would spoil it, and the
   frames of the leaf get the explicit ||G - W sym(A)||^2 instead (one more
   d x r x r product, only when some frame of the leaf needs it).
+
+  Args:
+    w: frames on the manifold, shape (..., d, r).
+    g: gradients of the same shape.
+    a: W^T G, shape (..., r, r).
+
+  Returns:
+    ||P_W(G)||_F^2 per frame, shape w.shape[:-2].
+
+  Example:
+    >>> import jax, jax.numpy as jnp, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (8, 3))
+    >>> g = jax.random.normal(jax.random.key(1), (8, 3))
+    >>> exact = jnp.sum(so.project_tangent(w, g) ** 2)
+    >>> bool(jnp.allclose(so.tangent_sq_norm(w, g, w.T @ g), exact, rtol=1e-5))
+    True
   """
   total = jnp.sum(jnp.square(g), axis=(-2, -1))
   fast = total - jnp.sum(jnp.square(geometry.sym(a)), axis=(-2, -1))
@@ -288,7 +332,7 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                         ) -> optax.GradientTransformation:
   """Riemannian Adam with one scalar second moment per frame.
 
-  With g the incoming (tangent) gradient of a frame W:
+  With g the incoming (tangent) gradient of a frame W::
 
       m = b1 * P_W(m) + (1 - b1) * g
       v = b2 * v + (1 - b2) * ||g||_F^2
@@ -324,18 +368,32 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     project: if True, the updates are Euclidean gradients, projected here
       (needs transport_momentum).
 
-  >>> import jax, jax.numpy as jnp, stiefel_optax as so
-  >>> w = so.random_frames(jax.random.key(0), (2, 8, 3))
-  >>> g = so.project_tangent(w, jax.random.normal(jax.random.key(1), w.shape))
-  >>> tx = so.scale_by_frame_adam()
-  >>> state = tx.init(w)
-  >>> u, state = tx.update(g, state, w)
-  >>> state.nu.shape                     # one second moment per frame
-  (2,)
+  Returns:
+    An `optax.GradientTransformation` whose state is a
+    `ScaleByFrameAdamState`; its update needs params.
 
-  >>> u2, _ = tx.update(1e3 * g, tx.init(w), w)   # scale-free (up to eps)
-  >>> bool(jnp.allclose(u, u2, atol=1e-5))
-  True
+  Raises:
+    ValueError: for project=True with transport_momentum=False (at once);
+      at init, for a leaf that cannot hold frames; at update, without params
+      or for an update whose shape is not its frame's.
+
+  References:
+    R. D. Guerrero, "Stiefel Attention: When the Geometry of Transformer
+    Projection Matrices Dominates Optimizer Choice — and When It Does Not",
+    arXiv 2609.19363, 2026.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (2, 8, 3))
+    >>> g = so.project_tangent(w, jax.random.normal(jax.random.key(1), w.shape))
+    >>> tx = so.scale_by_frame_adam()
+    >>> state = tx.init(w)
+    >>> u, state = tx.update(g, state, w)
+    >>> state.nu.shape                     # one second moment per frame
+    (2,)
+    >>> u2, _ = tx.update(1e3 * g, tx.init(w), w)   # scale-free (up to eps)
+    >>> bool(jnp.allclose(u, u2, atol=1e-5))
+    True
   """
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   if project and not transport_momentum:
@@ -436,12 +494,24 @@ def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
   spectrum of (W + xi)^T (W + xi) = I + xi^T xi within [1, 1 + max_norm^2].
   `max_norm` may be an array, traced under jit (`optax.inject_hyperparams`).
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> tx = so.clip_frame_norm(0.1)
-  >>> u, _ = tx.update(jnp.ones((2, 4, 1)), tx.init(jnp.eye(4, 1)[None].repeat(2, 0)),
-  ...                  jnp.eye(4, 1)[None].repeat(2, 0))
-  >>> so.geometry.frame_norm(u)
-  Array([0.1, 0.1], dtype=float32)
+  Args:
+    max_norm: the trust-region radius (Frobenius, per frame), > 0.
+
+  Returns:
+    An `optax.GradientTransformation` (state `optax.EmptyState`); its update
+    needs params.
+
+  Raises:
+    ValueError: for a concrete `max_norm` <= 0 (at once); at init, for a
+      leaf that cannot hold frames; at update, without params.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> tx = so.clip_frame_norm(0.1)
+    >>> u, _ = tx.update(jnp.ones((2, 4, 1)), tx.init(jnp.eye(4, 1)[None].repeat(2, 0)),
+    ...                  jnp.eye(4, 1)[None].repeat(2, 0))
+    >>> so.geometry.frame_norm(u)
+    Array([0.1, 0.1], dtype=float32)
   """
   value = static_float(max_norm)
   if value is not None and not value > 0:
@@ -502,13 +572,23 @@ def retract_polar(method: str = "newton_schulz", *,
       max_step_norm < 1; with max_step_norm=None the M-scaled iteration
       runs directly.
 
-  >>> import jax, optax, stiefel_optax as so
-  >>> w = so.random_frames(jax.random.key(0), (8, 3))
-  >>> xi = 0.3 * so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
-  >>> tx = so.retract_polar()
-  >>> u, _ = tx.update(xi, tx.init(w), w)
-  >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)
-  True
+  Returns:
+    An `optax.GradientTransformation` (state `optax.EmptyState`); its update
+    needs params.
+
+  Raises:
+    ValueError: for an unknown `method` or an invalid radius (at once); at
+      init, for a leaf that cannot hold frames; at update, without params
+      or for a step whose shape is not its frame's.
+
+  Example:
+    >>> import jax, optax, stiefel_optax as so
+    >>> w = so.random_frames(jax.random.key(0), (8, 3))
+    >>> xi = 0.3 * so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+    >>> tx = so.retract_polar()
+    >>> u, _ = tx.update(xi, tx.init(w), w)
+    >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)
+    True
   """
   if method not in geometry.RETRACTIONS:
     raise ValueError(

@@ -2,7 +2,7 @@
 back.
 
 One pair of maps is the single mechanism by which every transform and helper
-sees kernels as frames:
+sees kernels as frames::
 
     split(x, spec)          -> (frames (batch..., d, r), rest or None)
     merge(frames, rest, spec, shape) -> the leaf
@@ -68,10 +68,24 @@ def split(x: jax.Array, spec: FrameSpec, name: str = "leaf"):
   """(frames, rest): the frame view (batch..., d, r) of the parts `spec`
   takes, and the other parts (None when every part is a frame).
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> frames, rest = so.split(jnp.zeros((16, 48)), so.fused_qkv(2))
-  >>> frames.shape, rest.shape          # q and k heads; the v third as is
-  ((2, 2, 16, 8), (16, 16))
+  Args:
+    x: a leaf.
+    spec: its `FrameSpec`.
+    name: the leaf's name in error messages.
+
+  Returns:
+    (frames, rest): the frame view of shape `spec.frame_shape(x.shape)`,
+    and the parts that are not frames in the leaf's own axis order (only
+    the part axis shorter), or None.
+
+  Raises:
+    ValueError: naming `name`, when `spec` does not fit the leaf's shape.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> frames, rest = so.split(jnp.zeros((16, 48)), so.fused_qkv(2))
+    >>> frames.shape, rest.shape          # q and k heads; the v third as is
+    ((2, 2, 16, 8), (16, 16))
   """
   view = spec.frame_shape(x.shape, name)
   _, _, _, part = spec.axes(x.ndim, name)
@@ -95,9 +109,21 @@ def split(x: jax.Array, spec: FrameSpec, name: str = "leaf"):
 def to_frames(x: jax.Array, spec: FrameSpec, name: str = "leaf") -> jax.Array:
   """The frame view (batch..., d, r) of a leaf (its taken parts only).
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> so.to_frames(jnp.zeros((16, 2, 4)), so.FrameSpec(rows=0, cols=2)).shape
-  (2, 16, 4)
+  Args:
+    x: a leaf.
+    spec: its `FrameSpec`.
+    name: the leaf's name in error messages.
+
+  Returns:
+    The frames, shape `spec.frame_shape(x.shape)`.
+
+  Raises:
+    ValueError: as `split`.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> so.to_frames(jnp.zeros((16, 2, 4)), so.FrameSpec(rows=0, cols=2)).shape
+    (2, 16, 4)
   """
   return split(x, spec, name)[0]
 
@@ -105,11 +131,27 @@ def to_frames(x: jax.Array, spec: FrameSpec, name: str = "leaf") -> jax.Array:
 def merge(frames: jax.Array, rest, spec: FrameSpec, shape) -> jax.Array:
   """Inverse of `split` for a leaf of `shape`.
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> x = jnp.arange(16.0 * 48).reshape(16, 48)
-  >>> spec = so.fused_qkv(2)
-  >>> bool((so.merge(*so.split(x, spec), spec, x.shape) == x).all())
-  True
+  Args:
+    frames: the frame view, shape `spec.frame_shape(shape)`.
+    rest: the parts that are not frames, as `split` returns them (None when
+      every part is a frame).
+    spec: the leaf's `FrameSpec`.
+    shape: the leaf's shape.
+
+  Returns:
+    The leaf, of `shape`.
+
+  Raises:
+    ValueError: when `rest` is None but `spec` leaves parts out (use
+      `from_frames`, which fills them with zeros), or `spec` does not fit
+      `shape`.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> x = jnp.arange(16.0 * 48).reshape(16, 48)
+    >>> spec = so.fused_qkv(2)
+    >>> bool((so.merge(*so.split(x, spec), spec, x.shape) == x).all())
+    True
   """
   shape = tuple(shape)
   ndim = len(shape)
@@ -144,13 +186,26 @@ def merge(frames: jax.Array, rest, spec: FrameSpec, shape) -> jax.Array:
 
 
 def from_frames(frames: jax.Array, spec: FrameSpec, shape, rest=None):
-  """Inverse of `to_frames`; `rest` supplies the parts that are not frames
-  (zeros where None, as for an update that only moves frames).
+  """Inverse of `to_frames`.
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> spec = so.FrameSpec(rows=0, cols=2)
-  >>> so.from_frames(jnp.ones((2, 16, 4)), spec, (16, 2, 4)).shape
-  (16, 2, 4)
+  Args:
+    frames: the frame view, shape `spec.frame_shape(shape)`.
+    spec: the leaf's `FrameSpec`.
+    shape: the leaf's shape.
+    rest: the parts that are not frames; None: zeros (as for an update
+      that only moves frames).
+
+  Returns:
+    The leaf, of `shape`.
+
+  Raises:
+    ValueError: when `spec` does not fit `shape`.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> spec = so.FrameSpec(rows=0, cols=2)
+    >>> so.from_frames(jnp.ones((2, 16, 4)), spec, (16, 2, 4)).shape
+    (16, 2, 4)
   """
   _, _, _, part = spec.axes(len(shape))
   if part is not None and rest is None and len(spec.take) < spec.parts:
@@ -164,16 +219,28 @@ def map_frames(fn: Callable[[jax.Array], jax.Array], params,
                frames: specs_lib.Selector = None, *, back: bool = True):
   """Applies fn to the frame view (batch..., d, r) of every selected leaf.
 
-  With back=True fn's result (of the view's shape) replaces the frames and
-  everything else (other leaves, parts that are not frames) is returned
-  unchanged; with back=False the result is {path: fn(view)} for the
-  selected leaves.
+  Args:
+    fn: a function of one frame view.
+    params: a parameter tree.
+    frames: the frame selector (`frame_specs`); None: the default "auto".
+    back: True: fn's result (of the view's shape) replaces the frames;
+      False: collect fn's results by path.
 
-  >>> import jax.numpy as jnp
-  >>> from stiefel_optax import map_frames
-  >>> tree = {"query": {"kernel": jnp.ones((8, 2, 4))}}
-  >>> map_frames(lambda w: w.shape, tree, back=False)
-  {'query/kernel': (2, 8, 4)}
+  Returns:
+    back=True: the tree of `params` with every selected leaf's frames
+    replaced by fn's result, everything else (other leaves, parts that are
+    not frames) unchanged; back=False: {path: fn(view)} for the selected
+    leaves.
+
+  Raises:
+    ValueError: as `frame_specs`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from stiefel_optax import map_frames
+    >>> tree = {"query": {"kernel": jnp.ones((8, 2, 4))}}
+    >>> map_frames(lambda w: w.shape, tree, back=False)
+    {'query/kernel': (2, 8, 4)}
   """
   items = specs_lib.frame_specs(params, frames)
   if not back:

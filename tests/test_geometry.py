@@ -396,7 +396,7 @@ def test_fast_path_certificate_passes_on_its_domain(dtype, certificate,
 
 
 def test_fallback_step_counts():
-  """The derived counts of the M-scaled iteration (docstring table) and
+  """The derived counts of the M-scaled iteration (docs/proofs.rst table) and
   the loop bounds; monotone in the condition number."""
   f32, f64 = jnp.float32, jnp.float64
   table = {f32: [7, 13, 18, 24, 30, 41], f64: [8, 14, 19, 25, 31, 42]}

@@ -126,7 +126,7 @@ def test_schedule_converges_by_interval_arithmetic(certificate):
   occupy, after the seven steps all singular values lie in (0, 1), and the
   Newton–Schulz tail is monotone with q(x) > x on (0, 1): the iteration
   converges for every nonzero singular value. The documented thresholds
-  (module docstring, 10 steps) hold; Muon's fixed polynomial, the control,
+  (docs/proofs.rst, 10 steps) hold; Muon's fixed polynomial, the control,
   does not converge."""
   coeffs = muon.msign_coefficients(7)
   assert coeffs == muon.POLAR_EXPRESS_COEFFICIENTS
@@ -181,7 +181,7 @@ def test_msign_rank_deficient_zero_and_scale(x64, normal, certificate):
   """Zero singular values stay zero (U_k V_k^T), msign(0) = 0 exactly (no
   NaN), msign(c X) = msign(X) for c from 1e-300 to 1e300. A rank-deficient
   X formed in floating point has rounding-level singular values, which
-  grow by at most g = 2.2e4 (module docstring): error <= g eps sqrt(r)."""
+  grow by at most g = 2.2e4 (docs/proofs.rst): error <= g eps sqrt(r)."""
   exact = jnp.concatenate([normal(21, (8, 2)), jnp.zeros((8, 2))], axis=1)
   err = certificate("stiefel_muon: msign exact rank 2 vs SVD",
                     rel(muon.msign(exact), np_polar(exact)))
