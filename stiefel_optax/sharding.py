@@ -272,7 +272,7 @@ class _Mapper:
   # Targets -----------------------------------------------------------------
 
   def param_target(self):
-    leaves = [(path, tuple(x.shape), _padded(_spec(s), len(x.shape)), s)
+    leaves = [(path, _shape(x), _padded(_spec(s), len(_shape(x))), s)
               for (path, x), s in zip(self._param_items(), self.shardings)]
     return _target(self.params, leaves)
 
@@ -295,9 +295,9 @@ class _Mapper:
                                     self.params)
     f_leaves, r_leaves, per_leaf = [], [], []
     for (path, x, spec), s in zip(items, self.shardings):
-      entries = _padded(_spec(s), x.ndim)
+      entries = _padded(_spec(s), len(_shape(x)))
       if spec is None:
-        r_leaves.append((path, tuple(x.shape), entries, s))
+        r_leaves.append((path, _shape(x), entries, s))
         per_leaf.append(None)
         continue
       mesh_shape = (dict(s.mesh.shape) if isinstance(s, NamedSharding)
@@ -407,6 +407,10 @@ def _fits(node, target) -> bool:
                                             target.leaves))
 
 
+def _shape(x) -> tuple:
+  return tuple(getattr(x, "shape", ()))
+
+
 def _spec(sharding) -> PartitionSpec:
   return sharding.spec if isinstance(sharding, NamedSharding) else sharding
 
@@ -417,11 +421,11 @@ def _check_shardings(params, param_shardings) -> list:
   items = [(specs_lib.path_str(p), x) for p, x in
            jax.tree_util.tree_leaves_with_path(params)]
   given = jax.tree_util.tree_leaves_with_path(
-      param_shardings, is_leaf=lambda x: _is_sharding(x) or x is None)
+      param_shardings, is_leaf=_is_sharding)
   by_path = {}
   for p, s in given:
     by_path[specs_lib.path_str(p)] = s
-  missing = [(p, tuple(x.shape)) for p, x in items if by_path.get(p) is None]
+  missing = [(p, _shape(x)) for p, x in items if by_path.get(p) is None]
   extra = sorted(set(by_path) - {p for p, _ in items})
   fix = (" Fix: give param_shardings the structure of params, one"
          " NamedSharding or PartitionSpec per array, e.g."
@@ -441,7 +445,7 @@ def _check_shardings(params, param_shardings) -> list:
   out, meshes = [], {}
   for path, x in items:
     s = by_path[path]
-    shape = tuple(x.shape)
+    shape = _shape(x)
     if not _is_sharding(s):
       raise ValueError(
           f"state_shardings: {path} (shape {shape}) has sharding {s!r};"

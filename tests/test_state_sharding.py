@@ -476,3 +476,44 @@ def test_no_warning_where_every_sharding_follows():
     warnings.simplefilter("error")
     so.state_shardings(so.stiefel_attention(1e-3), params,
                        specs_for(params, NamedSharding(MESH, P("x"))))
+
+
+def _frame_adam(state):
+  is_fs = lambda x: isinstance(x, so.ScaleByFrameAdamState)
+  (fs,) = [x for x in jax.tree.leaves(state, is_leaf=is_fs) if is_fs(x)]
+  return fs
+
+
+def test_equinox_out_in_weights_sharded_over_heads():
+  """eqx.nn.MultiheadAttention's (heads * qk, d) weights sharded over
+  their rows (the heads): frames (heads, d, qk) over the heads."""
+  eqx = pytest.importorskip("equinox")
+  model = eqx.nn.MultiheadAttention(num_heads=8, query_size=32,
+                                    key=jax.random.key(0))
+  params = eqx.filter(model, eqx.is_inexact_array)
+  sh = jax.tree.map(lambda x: NamedSharding(
+      MESH, P("x", None) if x.ndim == 2 else P()), params)
+  fs = _frame_adam(so.state_shardings(so.stiefel_attention(1e-3), params, sh))
+  assert fs.mu.query_proj.weight.spec == P("x", None, None)
+  assert fs.nu.key_proj.weight.spec == P("x")
+
+
+def test_haiku_2d_weights_sharded_over_heads():
+  """hk.MultiHeadAttention's (d, heads * key_size) weights sharded over
+  their columns: frames (heads, d, key_size) over the heads."""
+  hk = pytest.importorskip("haiku")
+  def forward(x):
+    return hk.MultiHeadAttention(
+        num_heads=8, key_size=4, model_size=32,
+        w_init=hk.initializers.VarianceScaling())(x, x, x)
+  model = hk.without_apply_rng(hk.transform(forward))
+  params = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((2, 4, 32)))
+  frames = so.haiku_mha(8)
+  sh = jax.tree.map(lambda x: NamedSharding(
+      MESH, P(None, "x") if x.shape[-1] == 32 and x.ndim == 2 else P()),
+      params)
+  fs = _frame_adam(so.state_shardings(
+      so.stiefel_attention(1e-3, frames=frames), params, sh, frames=frames))
+  mha = "multi_head_attention"
+  assert fs.mu[f"{mha}/query"]["w"].spec == P("x", None, None)
+  assert fs.nu[f"{mha}/key"]["w"].spec == P("x")
