@@ -19,20 +19,34 @@ def orthonormalize(params, frames: specs_lib.Selector = None, *,
   nearly orthonormal frame, so that an ill-conditioned A still lands on the
   manifold to the rounding of its dtype.
 
-  >>> import jax, stiefel_optax as so
-  >>> params = {"attn": {"query": {"kernel": jax.random.normal(
-  ...     jax.random.key(0), (16, 2, 4))}}}
-  >>> bool(so.max_isometry_error(so.orthonormalize(params)) < 1e-5)
-  True
+  Args:
+    params: a parameter tree (dict, Flax/nnx state, Equinox Module, ...).
+    frames: the frame selector (`frame_specs`); None: the default "auto".
+    method: the polar factor's method (`polar`): "eigh" (default) or
+      "newton_schulz".
 
-  The result has the structure of `params`: a dict for a dict, an
-  `eqx.Module` for an Equinox model (its non-array fields kept):
+  Returns:
+    A tree of the structure of `params` (a dict for a dict, an
+    `eqx.Module` for an Equinox model, its non-array fields kept) with the
+    selected frames orthonormal.
 
-  >>> import equinox as eqx
-  >>> mha = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
-  >>> mha = so.orthonormalize(mha)
-  >>> type(mha).__name__, bool(so.max_isometry_error(mha) < 1e-5)
-  ('MultiheadAttention', True)
+  Raises:
+    ValueError: as `frame_specs`, or for an unknown `method`.
+
+  Example:
+    >>> import jax, stiefel_optax as so
+    >>> params = {"attn": {"query": {"kernel": jax.random.normal(
+    ...     jax.random.key(0), (16, 2, 4))}}}
+    >>> bool(so.max_isometry_error(so.orthonormalize(params)) < 1e-5)
+    True
+
+    An Equinox model stays a Module:
+
+    >>> import equinox as eqx
+    >>> mha = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
+    >>> mha = so.orthonormalize(mha)
+    >>> type(mha).__name__, bool(so.max_isometry_error(mha) < 1e-5)
+    ('MultiheadAttention', True)
   """
 
   def fn(a):
@@ -48,12 +62,21 @@ def orthonormalize(params, frames: specs_lib.Selector = None, *,
 
 def orthonormal_heads_init(dtype=jnp.float32):
   """A Flax initializer for (d, heads, head_dim) kernels whose per-head
-  (d, head_dim) frames are Haar-random orthonormal.
+  (d, head_dim) frames are Haar-random orthonormal (`random_frames`).
 
-  >>> import jax, stiefel_optax as so
-  >>> w = so.orthonormal_heads_init()(jax.random.key(0), (16, 2, 4))
-  >>> bool(so.max_isometry_error({"query": {"kernel": w}}) < 1e-5)
-  True
+  Args:
+    dtype: the default dtype of the kernels it makes.
+
+  Returns:
+    init(key, shape, dtype=dtype), a JAX initializer (as
+    `nn.initializers.*` return); it raises ValueError unless shape is
+    (d, heads, head_dim) with d >= head_dim.
+
+  Example:
+    >>> import jax, stiefel_optax as so
+    >>> w = so.orthonormal_heads_init()(jax.random.key(0), (16, 2, 4))
+    >>> bool(so.max_isometry_error({"query": {"kernel": w}}) < 1e-5)
+    True
   """
 
   def init(key, shape, dtype=dtype):

@@ -59,19 +59,24 @@ class FrameSpec:
       (d, 3d) Dense kernel is cut along its columns).
 
   Every other axis is a batch of frames. Axes count on the whole leaf, so a
-  spec reads like the leaf's shape. Examples:
+  spec reads like the leaf's shape.
 
-  >>> from stiefel_optax import FrameSpec
-  >>> FrameSpec(rows=0, cols=2).frame_shape((64, 4, 16))       # linen MHA
-  (4, 64, 16)
+  Raises:
+    ValueError: at construction, for a spec with no row or column axis, a
+      `heads` or `parts` that is not a positive int, `take` or `part_axis`
+      without `parts`, or a `take` that does not list distinct parts in
+      increasing order.
 
-  >>> FrameSpec(rows=-2, cols=-1, parts=2, take=(0,)).frame_shape(
-  ...     (2, 1, 64, 16))                                 # gemma kv_einsum
-  (1, 1, 1, 64, 16)
-
-  >>> FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=4).frame_shape(
-  ...     (64, 192))                                      # nanoGPT c_attn
-  (2, 4, 64, 16)
+  Example:
+    >>> from stiefel_optax import FrameSpec
+    >>> FrameSpec(rows=0, cols=2).frame_shape((64, 4, 16))       # linen MHA
+    (4, 64, 16)
+    >>> FrameSpec(rows=-2, cols=-1, parts=2, take=(0,)).frame_shape(
+    ...     (2, 1, 64, 16))                                 # gemma kv_einsum
+    (1, 1, 1, 64, 16)
+    >>> FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=4).frame_shape(
+    ...     (64, 192))                                      # nanoGPT c_attn
+    (2, 4, 64, 16)
   """
   rows: Axes = -2
   cols: Axes = -1
@@ -115,8 +120,19 @@ class FrameSpec:
     return f"FrameSpec({', '.join(fields)})"
 
   def axes(self, ndim: int, name: str = "leaf"):
-    """(batch, rows, cols, part_axis) as non-negative axes of a rank-`ndim`
-    leaf (part_axis None without parts); ValueError naming `name`."""
+    """The spec's axes on a leaf of rank `ndim`.
+
+    Args:
+      ndim: the leaf's rank.
+      name: the leaf's name in error messages.
+
+    Returns:
+      (batch, rows, cols, part_axis): tuples of non-negative axes, and the
+      part axis (None without parts).
+
+    Raises:
+      ValueError: naming `name`, for an axis out of range or used twice.
+    """
     def norm(axes):
       for a in axes:
         if not -ndim <= a < ndim:
@@ -136,7 +152,18 @@ class FrameSpec:
     return batch, rows, cols, part
 
   def part_shape(self, shape, name: str = "leaf"):
-    """Shape of one part of a leaf of `shape` (the leaf's without parts)."""
+    """Shape of one part of a leaf of `shape` (the leaf's without parts).
+
+    Args:
+      shape: the leaf's shape.
+      name: the leaf's name in error messages.
+
+    Returns:
+      The shape with the part axis divided by `parts`.
+
+    Raises:
+      ValueError: naming `name`, when `parts` does not divide the part axis.
+    """
     shape = tuple(shape)
     _, _, _, part = self.axes(len(shape), name)
     if part is None:
@@ -148,8 +175,20 @@ class FrameSpec:
     return shape[:part] + (shape[part] // self.parts,) + shape[part + 1:]
 
   def frame_shape(self, shape, name: str = "leaf"):
-    """The (batch..., d, r) shape of the frames of a leaf of `shape`: the
-    taken parts (if any) first, then the batch axes in order, then heads."""
+    """The (batch..., d, r) shape of the frames of a leaf of `shape`.
+
+    Args:
+      shape: the leaf's shape.
+      name: the leaf's name in error messages.
+
+    Returns:
+      The frame view's shape: the taken parts (if any) first, then the
+      batch axes in order, then heads, then (d, r).
+
+    Raises:
+      ValueError: naming `name`, when the spec does not fit the shape (axes,
+      parts or heads that do not divide).
+    """
     shape = tuple(shape)
     batch, rows, cols, _ = self.axes(len(shape), name)
     sub = self.part_shape(shape, name)
@@ -176,13 +215,22 @@ def _fmt(axes):
 
 
 def path_str(path) -> str:
-  """'a/b/0/kernel' for a jax key path; nnx's trailing 'value' is dropped so
-  that an `nnx.State` of Variables and its pure dict have the same paths.
+  """The '/'-joined path of a leaf, as selectors and diagnostics name it.
 
-  >>> import jax, stiefel_optax as so
-  >>> [so.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(
-  ...     {"layers": [{"kernel": 1.0}]})]
-  ['layers/0/kernel']
+  nnx's trailing 'value' is dropped, so that an `nnx.State` of Variables and
+  its pure dict have the same paths.
+
+  Args:
+    path: a jax key path (`jax.tree_util.tree_leaves_with_path`).
+
+  Returns:
+    A str such as 'layers/0/kernel'.
+
+  Example:
+    >>> import jax, stiefel_optax as so
+    >>> [so.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+    ...     {"layers": [{"kernel": 1.0}]})]
+    ['layers/0/kernel']
   """
   if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
       path[-1].name == "value") and len(path) > 1:
@@ -222,8 +270,19 @@ def fused_qkv(num_heads: int) -> FrameSpec:
   """The spec of a nanoGPT-style fused (d, 3 d) `c_attn` kernel: the q and k
   thirds of its columns, one frame per head.
 
-  >>> fused_qkv(4).frame_shape((128, 384))
-  (2, 4, 128, 32)
+  Args:
+    num_heads: the model's number of heads.
+
+  Returns:
+    FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=num_heads).
+
+  Raises:
+    ValueError: if `num_heads` is not a positive int.
+
+  Example:
+    >>> from stiefel_optax import fused_qkv
+    >>> fused_qkv(4).frame_shape((128, 384))
+    (2, 4, 128, 32)
   """
   return FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=num_heads)
 
@@ -247,10 +306,15 @@ def haiku_mha(num_heads: int, module: Optional[str] = None) -> dict:
   Returns:
     {path_regex: FrameSpec(rows=-2, cols=-1, heads=num_heads)}, a `frames=`.
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> params = {"mha/query": {"w": jnp.zeros((16, 16)), "b": jnp.zeros(16)}}
-  >>> so.selected(params, so.haiku_mha(num_heads=2))
-  {'mha/query/w': FrameSpec(rows=-2, cols=-1, heads=2)}
+  Raises:
+    ValueError: if `num_heads` is not a positive int or `module` is not a
+      non-empty str.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> params = {"mha/query": {"w": jnp.zeros((16, 16)), "b": jnp.zeros(16)}}
+    >>> so.selected(params, so.haiku_mha(num_heads=2))
+    {'mha/query/w': FrameSpec(rows=-2, cols=-1, heads=2)}
   """
   spec = FrameSpec(rows=-2, cols=-1, heads=num_heads)
   if module is None:
@@ -365,11 +429,21 @@ def equinox_specs(params) -> dict:
   query_size), head-major: head h's frame is W[h k:(h + 1) k, :]^T, of shape
   (query_size, qk_size), i.e. FrameSpec(rows=-1, cols=-2, heads=num_heads);
   a leading axis (blocks stacked by `eqx.filter_vmap`) is a batch of frames.
+  Equinox is never imported here: without it a tree holds no Equinox module.
 
-  >>> import equinox as eqx, jax, stiefel_optax as so
-  >>> mha = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
-  >>> so.equinox_specs({"attn": mha})["attn/query_proj/weight"]
-  FrameSpec(rows=-1, cols=-2, heads=2)
+  Args:
+    params: a tree that may hold `eqx.nn.MultiheadAttention` modules (the
+      Module itself, or `eqx.filter(model, eqx.is_inexact_array)`).
+
+  Returns:
+    {path: FrameSpec(rows=-1, cols=-2, heads=num_heads)} for the query and
+    key weights of every such module ({} when there is none).
+
+  Example:
+    >>> import equinox as eqx, jax, stiefel_optax as so
+    >>> mha = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
+    >>> so.equinox_specs({"attn": mha})["attn/query_proj/weight"]
+    FrameSpec(rows=-1, cols=-2, heads=2)
   """
   leaves = jax.tree_util.tree_flatten_with_path(params,
                                                 is_leaf=_is_eqx_mha)[0]
@@ -529,19 +603,34 @@ def _selector_fn(frames: Selector, params=None):
 
 
 def frame_specs(params, frames: Selector = None) -> list:
-  """[(path, leaf, FrameSpec | None)] for the leaves of `params` in
-  flattening order, every selected leaf checked.
+  """Resolves a frame selector on a parameter tree: one spec per leaf.
 
-  Raises ValueError, naming the path, the shape and a spec that fits, when
-  a leaf's layout cannot be decided, a spec does not fit its leaf (r > d,
-  parts or heads that do not divide), a mapping entry matches no leaf, or
-  nothing is selected at all.
+  The selector is a preset name ("auto", the default, "equinox", "flax",
+  "gemma", "maxtext"), a `FrameSpec` for every leaf, a mapping
+  {path_regex: FrameSpec | None} (regexes searched in the '/'-joined path;
+  every entry must match a leaf) or a callable (path, leaf) -> FrameSpec |
+  None (see the module docstring).
 
-  >>> import jax.numpy as jnp, stiefel_optax as so
-  >>> tree = {"c_attn": {"kernel": jnp.zeros((16, 48))}, "ln": jnp.ones(16)}
-  >>> [(p, s) for p, _, s in so.frame_specs(
-  ...     tree, {r"c_attn/kernel$": so.fused_qkv(2)})]
-  [('c_attn/kernel', FrameSpec(rows=0, cols=1, heads=2, parts=3, take=(0, 1))), ('ln', None)]
+  Args:
+    params: a parameter tree (dict, Flax/nnx state, Equinox Module, ...).
+    frames: the selector; None: "auto".
+
+  Returns:
+    [(path, leaf, FrameSpec | None)] for the leaves of `params` in
+    flattening order, every selected leaf checked.
+
+  Raises:
+    ValueError: naming the path, the shape and a spec that fits, when a
+      leaf's layout cannot be decided, a spec does not fit its leaf (r > d,
+      parts or heads that do not divide), a mapping entry matches no leaf,
+      nothing is selected at all, or `params` is None or empty.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> tree = {"c_attn": {"kernel": jnp.zeros((16, 48))}, "ln": jnp.ones(16)}
+    >>> [(p, s) for p, _, s in so.frame_specs(
+    ...     tree, {r"c_attn/kernel$": so.fused_qkv(2)})]
+    [('c_attn/kernel', FrameSpec(rows=0, cols=1, heads=2, parts=3, take=(0, 1))), ('ln', None)]
   """
   if params is None or not jax.tree.leaves(params):
     raise ValueError(
@@ -580,14 +669,24 @@ def frame_specs(params, frames: Selector = None) -> list:
 
 
 def selected(params, frames: Selector = None) -> dict:
-  """{path: FrameSpec} of the leaves `frames` selects: what a user checks
-  before training.
+  """The leaves `frames` selects: what a user checks before training.
 
-  >>> import jax.numpy as jnp
-  >>> from stiefel_optax import selected
-  >>> tree = {"attn": {"query": {"kernel": jnp.zeros((8, 2, 4))},
-  ...                  "value": {"kernel": jnp.zeros((8, 2, 4))}}}
-  >>> selected(tree)
-  {'attn/query/kernel': FrameSpec(rows=-3, cols=-1)}
+  Args:
+    params: a parameter tree.
+    frames: the frame selector (`frame_specs`); None: "auto".
+
+  Returns:
+    {path: FrameSpec} of the selected leaves.
+
+  Raises:
+    ValueError: as `frame_specs`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from stiefel_optax import selected
+    >>> tree = {"attn": {"query": {"kernel": jnp.zeros((8, 2, 4))},
+    ...                  "value": {"kernel": jnp.zeros((8, 2, 4))}}}
+    >>> selected(tree)
+    {'attn/query/kernel': FrameSpec(rows=-3, cols=-1)}
   """
   return {p: s for p, _, s in frame_specs(params, frames) if s is not None}
