@@ -252,12 +252,11 @@ class _Target:
   structure, and per leaf (path, shape, entries, the parameter's sharding)."""
   treedef: Any
   leaves: list
-  setting: Any = None          # the stack_frames setting it stands for
-  conflict: Optional[str] = None
+  conflict: Optional[str] = None   # why a stack has no one sharding
 
 
-def _target(tree, leaves, setting=None, conflict=None):
-  return _Target(jax.tree.structure(tree), leaves, setting, conflict)
+def _target(tree, leaves):
+  return _Target(jax.tree.structure(tree), leaves)
 
 
 class _Mapper:
@@ -311,7 +310,7 @@ class _Mapper:
       if rest is not None:
         r_shape = jax.tree.leaves(r_tree)[len(r_leaves)].shape
         r_leaves.append((path, tuple(r_shape), rest, s))
-    frame_targets = [_target(f_tree, f_leaves, False)]
+    frame_targets = [_target(f_tree, f_leaves)]
     for setting in (True, "auto"):
       frame_targets.append(self._stack_target(f_tree, per_leaf, setting))
     self._groups = frame_targets, _target(r_tree, r_leaves)
@@ -341,7 +340,7 @@ class _Mapper:
               " build the optimizer with stack_frames=False")
       leaves.append((path, (len(group),) + tuple(shape), (None,) + view, s))
     return _Target(jax.tree.structure(tuple(range(len(plan)))), leaves,
-                   setting, conflict)
+                   conflict)
 
   # The walk ----------------------------------------------------------------
 
@@ -371,7 +370,7 @@ class _Mapper:
   def fit(self, node, path, target, group):
     """A state tree that mirrors `target`: each leaf the sharding of its
     parameter's (or frame view's) leading axes."""
-    if target.conflict:
+    if target.conflict and _fits(node, target):
       raise ValueError(f"state_shardings: {target.conflict}.")
     out = []
     for (k, x), (p_path, shape, entries, s) in zip(
@@ -402,7 +401,7 @@ class _Mapper:
 
 def _fits(node, target) -> bool:
   """Every leaf of `node` has its target's shape or a leading part of it."""
-  return all(tuple(getattr(x, "shape", ())) == shape[:len(getattr(x, "shape", ()))]
+  return all(_shape(x) == shape[:len(_shape(x))]
              for x, (_, shape, _, _) in zip(jax.tree.leaves(node),
                                             target.leaves))
 
