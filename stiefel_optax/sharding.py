@@ -185,13 +185,14 @@ def frame_view_spec(spec: FrameSpec, shape, sharding, *, name: str = "leaf"):
   Returns:
     (frames' sharding, rest's sharding or None), of the kind of `sharding`.
 
-  >>> from jax.sharding import PartitionSpec as P
-  >>> import stiefel_optax as so
-  >>> so.frame_view_spec(so.FrameSpec(rows=0, cols=2), (32, 4, 8),
-  ...                    P("embed", "heads", "kv"))     # linen (d, heads, hd)
-  (P('heads', 'embed', 'kv'), None)
-  >>> so.frame_view_spec(so.fused_qkv(4), (64, 192), P("embed", None))
-  (P(None, None, 'embed', None), P('embed', None))
+  Example:
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import stiefel_optax as so
+    >>> so.frame_view_spec(so.FrameSpec(rows=0, cols=2), (32, 4, 8),
+    ...                    P("embed", "heads", "kv"))     # linen (d, heads, hd)
+    (P('heads', 'embed', 'kv'), None)
+    >>> so.frame_view_spec(so.fused_qkv(4), (64, 192), P("embed", None))
+    (P(None, None, 'embed', None), P('embed', None))
   """
   shape = tuple(shape)
   pspec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
@@ -542,25 +543,26 @@ def state_shardings(tx: optax.GradientTransformation, params,
       the state does not fit the frames (pass the optimizer's frames=);
       stacked frames of one stack are sharded differently.
 
-  >>> import jax, jax.numpy as jnp
-  >>> from jax.sharding import PartitionSpec as P
-  >>> import stiefel_optax as so
-  >>> params = {"query": {"kernel": so.random_frames(
-  ...     jax.random.key(0), (4, 32, 8)).transpose(1, 0, 2)},   # (d, heads, hd)
-  ...           "out": {"kernel": jnp.zeros((4, 8, 32))}}
-  >>> specs = {"query": {"kernel": P("embed", "heads", "kv")},
-  ...          "out": {"kernel": P("heads", "kv", "embed")}}
-  >>> tx = so.stiefel_attention(1e-3)
-  >>> state_specs = so.state_shardings(tx, params, specs)
-  >>> for path, s in jax.tree_util.tree_leaves_with_path(
-  ...     state_specs, is_leaf=lambda x: isinstance(x, P)):
-  ...   print(jax.tree_util.keystr(path), s)
-  .stiefel[1].count P()
-  .stiefel[1].mu['query']['kernel'] P('heads', 'embed', 'kv')
-  .stiefel[1].nu['query']['kernel'] P('heads',)
-  .euclidean[0].count P()
-  .euclidean[0].mu['out']['kernel'] P('heads', 'kv', 'embed')
-  .euclidean[0].nu['out']['kernel'] P('heads', 'kv', 'embed')
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import stiefel_optax as so
+    >>> params = {"query": {"kernel": so.random_frames(
+    ...     jax.random.key(0), (4, 32, 8)).transpose(1, 0, 2)},   # (d, heads, hd)
+    ...           "out": {"kernel": jnp.zeros((4, 8, 32))}}
+    >>> specs = {"query": {"kernel": P("embed", "heads", "kv")},
+    ...          "out": {"kernel": P("heads", "kv", "embed")}}
+    >>> tx = so.stiefel_attention(1e-3)
+    >>> state_specs = so.state_shardings(tx, params, specs)
+    >>> for path, s in jax.tree_util.tree_leaves_with_path(
+    ...     state_specs, is_leaf=lambda x: isinstance(x, P)):
+    ...   print(jax.tree_util.keystr(path), s)
+    .stiefel[1].count P()
+    .stiefel[1].mu['query']['kernel'] P('heads', 'embed', 'kv')
+    .stiefel[1].nu['query']['kernel'] P('heads',)
+    .euclidean[0].count P()
+    .euclidean[0].mu['out']['kernel'] P('heads', 'kv', 'embed')
+    .euclidean[0].nu['out']['kernel'] P('heads', 'kv', 'embed')
   """
   meta = _flax_meta()
   if boxed_paths(params):
