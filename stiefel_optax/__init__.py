@@ -26,15 +26,49 @@ from stiefel_optax.initializers import orthonormal_heads_init, orthonormalize
 from stiefel_optax.diagnostics import (
     check_frames, frame_isometry_errors, frame_movement, max_isometry_error)
 
+#: The release. The one version literal: pyproject.toml reads it
+#: (``[tool.setuptools.dynamic]``).
 __version__ = "0.6.0"
-# The release whose numbers this code reproduces with every option at its
-# default: bumped only by a change to what a default-configured transform
-# computes (0.4.0 added the opt-in `stack_frames`; its defaults computed what
-# 0.3.0 did; 0.5.0 forms A^T B on CPU as a materialised transpose and a
-# plain matmul, the same products summed in another order, equal to
-# rounding; 0.6.0 computes the aliases' chains (`stiefel_adam`,
-# `riemannian_sgd`, `stiefel_muon`) in one pass, the step's norm taken from
-# its direction, and two Newton–Schulz steps as one polynomial, both equal
-# to rounding). Benchmark run identities use it, so a study keeps its runs
-# across releases that leave the numbers alone.
+
+#: The numerics identity, a different concept from the release: the release
+#: whose numbers this code reproduces with every option at its default. It
+#: is bumped only by a change to what a default-configured transform
+#: computes (to rounding or more), not by new options, APIs or speed-ups
+#: that leave the numbers alone; so it may lag `__version__` (0.4.0 computed
+#: what 0.3.0 did). Benchmark run identities use it, so a study keeps its
+#: runs across releases that leave the numbers alone. Which release changed
+#: the numbers, and how: CHANGELOG.md.
 NUMERICS_VERSION = "0.6.0"
+
+# Grouped as the API reference (docs/api.rst); tests/test_docs.py checks
+# that the two list the same names.
+__all__ = [
+    # The one-line switch.
+    "stiefel_attention",
+    # Optimizers.
+    "stiefel_adam", "riemannian_sgd", "stiefel_muon",
+    # Transforms.
+    "project_to_tangent", "check_orthonormal_start", "scale_by_frame_adam",
+    "ScaleByFrameAdamState", "clip_frame_norm", "retract_polar",
+    "scale_by_tangent_msign", "ScaleByTangentMsignState",
+    # Partition of a parameter tree.
+    "frame_partition", "FramePartitionState",
+    # Frame selection.
+    "FrameSpec", "PRESETS", "frame_specs", "selected", "fused_qkv",
+    "haiku_mha", "equinox_specs", "path_str",
+    # Frame views.
+    "split", "merge", "to_frames", "from_frames", "map_frames",
+    # Optimizer-state shardings.
+    "state_shardings", "frame_view_spec",
+    # Orthonormal starts.
+    "orthonormalize", "orthonormal_heads_init",
+    # Diagnostics.
+    "check_frames", "frame_isometry_errors", "max_isometry_error",
+    "frame_movement",
+    # Geometry.
+    "sym", "project_tangent", "tangent_sq_norm", "isometry_error",
+    "random_frames", "polar", "retract", "newton_schulz_steps", "msign",
+    "tangent_msign",
+    # Versions.
+    "NUMERICS_VERSION",
+]
