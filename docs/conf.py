@@ -34,6 +34,14 @@ napoleon_use_rtype = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
+# Keep the annotations' names rather than their expansions.
+autodoc_type_aliases = {
+    "optax.ScalarOrSchedule": "optax.ScalarOrSchedule",
+    "chex.Numeric": "chex.Numeric",
+    "specs_lib.Selector": "stiefel_optax.specs.Selector",
+}
+# Literal blocks are math in ASCII, not code: no highlighting.
+highlight_language = "none"
 # `name` in a docstring links to that object where Sphinx knows it.
 default_role = "py:obj"
 
