@@ -504,7 +504,7 @@ def state_shardings(tx: optax.GradientTransformation, params,
     (heads, d, head_dim) P('heads', 'embed', 'kv') and its second moment
     (heads,) P('heads');
   * with `stack_frames=True` / "auto" (read off the state's structure) a
-    stack (k, *view) is sharded (None, *view's) when its members' views are
+    stack ``(k, *view)`` is sharded ``(None, *view's)`` when its members' views are
     sharded alike; otherwise a ValueError names the leaves and the option;
   * the AdamW group's state follows its leaves (a fused leaf's parts that
     are not frames keep the leaf's sharding; its part axis is unsharded);
