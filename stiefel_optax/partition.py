@@ -30,6 +30,8 @@ of them).
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import NamedTuple, Optional
 
 import jax
@@ -37,6 +39,40 @@ import jax.numpy as jnp
 import optax
 
 from stiefel_optax import geometry, specs as specs_lib, transforms, views
+
+
+def flax_meta():
+  # Without flax imported a tree holds no Flax box: never import it.
+  return sys.modules.get("flax.core.meta")
+
+
+def boxed_paths(tree) -> list:
+  """Paths of the Flax partitioning boxes (`nn.Partitioned`,
+  `nn.LogicallyPartitioned`) in `tree`; [] when flax is not imported."""
+  meta = flax_meta()
+  if meta is None:
+    return []
+  is_box = lambda x: isinstance(x, meta.AxisMetadata)
+  return [specs_lib.path_str(p) for p, x in
+          jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+          if is_box(x)]
+
+
+def warn_if_boxed(params) -> None:
+  """The warning of `frame_partition`'s init on a tree of Flax boxes: the
+  state's boxes would name the kernels' axes, which do not fit the frame
+  view."""
+  paths = boxed_paths(params)
+  if paths:
+    warnings.warn(
+        f"stiefel_optax: tx.init got Flax partitioning boxes ({paths[0]}"
+        f"{' ...' if len(paths) > 1 else ''}); the Stiefel group's state is"
+        " in the frame view (heads, d, r) with a (heads,) second moment, so"
+        " the axis names the boxes give it (nn.get_partition_spec of the"
+        " state) are the kernels' and do not fit it. Derive the state's"
+        " shardings with stiefel_optax.state_shardings(tx, params,"
+        " param_specs), and init the state from unboxed params"
+        " (nn.unbox(params)).", UserWarning, stacklevel=3)
 
 
 class FramePartitionState(NamedTuple):
@@ -237,8 +273,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
   rest_tx = euclidean_tx if euclidean_tx is not None else optax.set_to_zero()
 
   def init_fn(params):
-    from stiefel_optax import sharding  # pylint: disable=import-outside-toplevel
-    sharding.warn_if_boxed(params)   # its boxes would mislabel the state
+    warn_if_boxed(params)   # its boxes would mislabel the state
     items = specs_lib.frame_specs(params, frames)
     check_start(items, orthonormal_start)
     f_params, r_params = _groups(params, items)

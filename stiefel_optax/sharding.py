@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import warnings
 from typing import Any, Optional
 
@@ -207,40 +206,6 @@ def frame_view_spec(spec: FrameSpec, shape, sharding, *, name: str = "leaf"):
 
 # --------------------------------------------------------------------------
 # Flax's boxes (nn.with_logical_partitioning, nn.Partitioned).
-
-
-def _flax_meta():
-  # Without flax imported a tree holds no Flax box: never import it.
-  return sys.modules.get("flax.core.meta")
-
-
-def boxed_paths(tree) -> list:
-  """Paths of the Flax partitioning boxes (`nn.Partitioned`,
-  `nn.LogicallyPartitioned`) in `tree`; [] when flax is not imported."""
-  meta = _flax_meta()
-  if meta is None:
-    return []
-  is_box = lambda x: isinstance(x, meta.AxisMetadata)
-  return [specs_lib.path_str(p) for p, x in
-          jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
-          if is_box(x)]
-
-
-def warn_if_boxed(params) -> None:
-  """The warning of `frame_partition`'s init on a tree of Flax boxes: the
-  state's boxes would name the kernels' axes, which do not fit the frame
-  view."""
-  paths = boxed_paths(params)
-  if paths:
-    warnings.warn(
-        f"stiefel_optax: tx.init got Flax partitioning boxes ({paths[0]}"
-        f"{' ...' if len(paths) > 1 else ''}); the Stiefel group's state is"
-        " in the frame view (heads, d, r) with a (heads,) second moment, so"
-        " the axis names the boxes give it (nn.get_partition_spec of the"
-        " state) are the kernels' and do not fit it. Derive the state's"
-        " shardings with stiefel_optax.state_shardings(tx, params,"
-        " param_specs), and init the state from unboxed params"
-        " (nn.unbox(params)).", UserWarning, stacklevel=3)
 
 
 # --------------------------------------------------------------------------
@@ -564,8 +529,8 @@ def state_shardings(tx: optax.GradientTransformation, params,
     .euclidean[0].mu['out']['kernel'] P('heads', 'kv', 'embed')
     .euclidean[0].nu['out']['kernel'] P('heads', 'kv', 'embed')
   """
-  meta = _flax_meta()
-  if boxed_paths(params):
+  meta = partition.flax_meta()
+  if partition.boxed_paths(params):
     if param_shardings is None:
       param_shardings = meta.get_partition_spec(params)
     params = meta.unbox(params)
@@ -575,7 +540,7 @@ def state_shardings(tx: optax.GradientTransformation, params,
         " PartitionSpec in the structure of params); it can be left out only"
         " for Flax-boxed params (nn.with_logical_partitioning), whose"
         " nn.get_partition_spec it then uses.")
-  if boxed_paths(param_shardings):
+  if partition.boxed_paths(param_shardings):
     param_shardings = meta.get_partition_spec(param_shardings)
   shardings = _check_shardings(params, param_shardings)
   mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)),
