@@ -16,10 +16,30 @@ from __future__ import annotations
 import collections
 import fcntl
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
+
+def run_on_8_devices(source: str) -> dict:
+  """Runs `source` with this interpreter in a child process that sees 8
+  simulated CPU devices (the flag must be set before jax starts), from the
+  repository root; returns the JSON of its last line "RESULT <json>"."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_force_host_platform_device_count=8").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-c", source], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+  return json.loads(line[-1][len("RESULT "):])
+
 
 def once_per_session(tmp_path_factory, worker_id: str, name: str, make):
   """make() (JSON-able) computed once per test session, also across

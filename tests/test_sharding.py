@@ -26,16 +26,11 @@ update (the executable that ran).
 from __future__ import annotations
 
 import collections
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import once_per_session
+from conftest import once_per_session, run_on_8_devices
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r'''
 import functools, json, re
@@ -244,16 +239,7 @@ def sharded(tmp_path_factory, worker_id):
 
 
 def run_child():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      " --xla_force_host_platform_device_count=8").strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
-  return json.loads(line[-1][len("RESULT "):])
+  return run_on_8_devices(CHILD)
 
 
 NO_MOVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
