@@ -246,6 +246,15 @@ class GPTAttention(_GPTLayer):
       k = nn.RMSNorm(epsilon=1e-6, name="k_norm")(k)
     att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
     causal = jnp.tril(jnp.ones((t, t), bool))
+    # The logit records (the robustness sweep, MuonClip's maxima): sown
+    # only where "intermediates" is mutable, else never computed. Per head
+    # max |q_i . k_j| / sqrt(hd) over the causal pairs; per layer the bound
+    # ||x_i|| ||x_j|| / sqrt(hd) that orthonormal q and k frames guarantee.
+    self.sow("intermediates", "max_logit",
+             jnp.max(jnp.where(causal, jnp.abs(att), 0.0), axis=(0, 2, 3)))
+    norm = jnp.linalg.norm(x, axis=-1)
+    self.sow("intermediates", "logit_bound", jnp.max(jnp.where(
+        causal, norm[:, :, None] * norm[:, None, :], 0.0)) / math.sqrt(hd))
     att = jnp.where(causal, att, jnp.finfo(att.dtype).min)
     att = nn.Dropout(self.dropout)(jax.nn.softmax(att, axis=-1),
                                    deterministic=deterministic)

@@ -86,17 +86,26 @@ def toy_compiler(enabled: bool):
 
 def train_chunk(loss_fn: Callable, tx: optax.GradientTransformation,
                 batch_of: Callable, *, aux_fn: Optional[Callable] = None,
-                length: Optional[int] = None) -> Callable:
+                length: Optional[int] = None,
+                update_args: bool = False) -> Callable:
   """chunk(carry, xs, *data) -> (carry, mean loss, mean aux or None): one
   step per element of `xs` (or `length` steps when xs is None), not jitted
-  (callers choose donation and compiler options)."""
+  (callers choose donation and compiler options).
+
+  aux_fn(old params, new params, new opt_state): a per-step quantity.
+  update_args: loss_fn returns (loss, kwargs), the kwargs handed to
+  `tx.update` (an `optax.GradientTransformationExtraArgs`), as MuonClip
+  takes the forward pass's attention-logit maxima.
+  """
 
   def step(carry, x, data):
     params, opt_state = carry
-    loss, grads = jax.value_and_grad(loss_fn)(params, *batch_of(x, *data))
-    updates, opt_state = tx.update(grads, opt_state, params)
+    out, grads = jax.value_and_grad(loss_fn, has_aux=update_args)(
+        params, *batch_of(x, *data))
+    loss, kwargs = out if update_args else (out, {})
+    updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
     new = optax.apply_updates(params, updates)
-    aux = aux_fn(params, new) if aux_fn is not None else None
+    aux = aux_fn(params, new, opt_state) if aux_fn is not None else None
     return (new, opt_state), (loss, aux)
 
   def chunk(carry, xs, *data):
@@ -184,7 +193,10 @@ def train_run(store: Optional[harness.RunStore], name: str, ident: str, *,
     chunk(carry, step) -> (carry, out): `every` steps from `step`;
     record(run, carry, step, out, wall_s): appends the evaluation at `step`
       to run["history"] (out: the chunk's output, None at step 0; wall_s:
-      the run's wall seconds so far);
+      the run's wall seconds so far); a non-empty return (e.g. why the run
+      diverged) stops the run there, kept as run["stopped"], and the run
+      ends as at `stop` (a diverged run is a result: it is finished, saved
+      and returned as it is later, never rerun);
     finish(run, carry) -> dict: the final results, set as run["final"] at
       the end (the checkpoint is then deleted); without it the run ends at
       `stop` with its checkpoint, so that a later call can continue it.
@@ -214,7 +226,8 @@ def train_run(store: Optional[harness.RunStore], name: str, ident: str, *,
   ({'step': [0, 2, 4], 'p': [0.0, 0.75, 0.9375]}, 2)
   """
   saved = store.load(name, ident) if store is not None else None
-  if saved is not None and saved["history"]["step"][-1] >= stop and (
+  if saved is not None and (saved["history"]["step"][-1] >= stop
+                            or saved.get("stopped")) and (
       finish is None or saved.get("final") is not None):
     if progress is not None:
       progress.update(stop)
@@ -233,25 +246,30 @@ def train_run(store: Optional[harness.RunStore], name: str, ident: str, *,
     run["cpu_s"] = run.get("cpu_s", 0.0) + time.process_time() - c0
     t0, c0 = time.time(), time.process_time()
 
+  def stop_early(why):
+    if why:
+      run["stopped"] = why
+
   if not hist["step"]:
-    record(run, carry, 0, None, wall())
+    stop_early(record(run, carry, 0, None, wall()))
   done = hist["step"][-1]
   run.setdefault("trained_by", []).append(dict(
       command=command, started_utc=harness.now_utc(), from_step=done,
       loadavg_start=harness.load_average(), code_hash=harness.code_hash()))
   if progress is not None:
     progress.update(min(done, stop))
-  while done < stop:
+  while done < stop and not run.get("stopped"):
     carry, out = chunk(carry, done)
     done += every
-    record(run, carry, done, out, wall())
+    stop_early(record(run, carry, done, out, wall()))
     if progress is not None:
       progress.update(every)
+    ended = done >= stop or bool(run.get("stopped"))
     if store is not None and (time.time() - last_save > save_every_s
-                              or done >= stop):
+                              or ended):
       timing()
       last_save = time.time()
-      if done < stop or finish is None:   # a finished run saves below
+      if not ended or finish is None:   # a finished run saves below
         save_carry(ckpt, carry)
         store.save(name, run)
   if finish is not None:

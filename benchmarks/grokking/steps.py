@@ -30,9 +30,9 @@ def chunk_fn(cfg: Config, arm: str):
   movement): `log_every` full-batch steps of `training.train_chunk`."""
   model, tx = make_model(cfg), make_optimizer(cfg, arm)
   loss = lambda p, x, y: evaluate(model, p, x, y)[0]
+  moved = lambda old, new, _: so.frame_movement(old, new)
   return jax.jit(training.train_chunk(loss, tx, lambda _, x, y: (x, y),
-                                      aux_fn=so.frame_movement,
-                                      length=cfg.log_every))
+                                      aux_fn=moved, length=cfg.log_every))
 
 
 @functools.lru_cache(maxsize=None)

@@ -45,6 +45,53 @@ def nanogpt_adamw(cfg: Config) -> optax.GradientTransformation:
                      mask=decay_mask)
 
 
+# MuonClip's threshold (Kimi K2).
+QK_CLIP_TAU = 100.0
+
+
+def qk_clip(n_head: int, tau: float = QK_CLIP_TAU
+            ) -> optax.GradientTransformationExtraArgs:
+  """MuonClip's QK-clip (Kimi K2, arXiv 2507.20534), after the step it
+  follows: with S_h this step's forward-pass max |q . k| / sqrt(head_dim)
+  of head h, W+ = W + u, then head h's q and k columns of each layer's
+  fused c_attn (d, 3 d) are multiplied by sqrt(tau / S_h) where S_h > tau
+  (so that S_h would be tau); other leaves and heads are left as u moved
+  them. update(u, state, params, *, max_logit): max_logit (n_layer,
+  n_head), as `logit_records` gives it.
+
+  >>> import jax.numpy as jnp
+  >>> w = {"h_0": {"attn": {"c_attn": {"kernel": jnp.ones((4, 12))}}}}
+  >>> tx = qk_clip(n_head=2, tau=100.0)
+  >>> u, _ = tx.update(jax.tree.map(jnp.zeros_like, w), tx.init(w), w,
+  ...                  max_logit=jnp.array([[400.0, 50.0]]))
+  >>> (u["h_0"]["attn"]["c_attn"]["kernel"][0] + 1).tolist()  # q, k of head 0
+  [0.5, 0.5, 1.0, 1.0, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+  """
+
+  def update(updates, state, params=None, *, max_logit=None, **extra):
+    del extra
+    if params is None or max_logit is None:
+      raise ValueError("qk_clip needs params and max_logit (the forward"
+                       " pass's per-head maxima, (n_layer, n_head)).")
+    updates = dict(updates)
+    for i in range(max_logit.shape[0]):
+      layer = f"h_{i}"
+      w = params[layer]["attn"]["c_attn"]["kernel"]
+      s = max_logit[i]
+      head = jnp.where(s > tau, jnp.sqrt(tau / jnp.where(s > tau, s, tau)),
+                       1.0)
+      qk = jnp.repeat(head, w.shape[0] // n_head)
+      col = jnp.concatenate([qk, qk, jnp.ones(w.shape[1] - 2 * qk.size)])
+      u = updates[layer]["attn"]["c_attn"]["kernel"]
+      updates[layer] = {**updates[layer], "attn": {
+          **updates[layer]["attn"], "c_attn": {
+              "kernel": ((w + u) * col - w).astype(u.dtype)}}}
+    return updates, state
+
+  return optax.GradientTransformationExtraArgs(
+      lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   """The arm's optimizer, after one global-norm clip of the whole gradient.
 
@@ -62,6 +109,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   sel = frames(cfg)
   if cfg.arm in ("adamw", "qk_norm", "orthogonal_init"):
     tx = adamw
+  elif cfg.arm == "qk_clip":
+    tx = optax.chain(adamw, qk_clip(cfg.n_head))
   elif cfg.arm == "stiefel":
     tx = so.stiefel_attention(
         sched(cfg.learning_rate), frames=sel,

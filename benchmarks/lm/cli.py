@@ -17,15 +17,18 @@ from benchmarks import harness, study as study_lib, training
 from benchmarks.lm.config import (ARM_FIELDS, ARMS, PRESETS, Config,
                                   check_config, run_name)
 from benchmarks.lm.data import Corpus, default_data, load_corpus
+from benchmarks.lm import robustness
 from benchmarks.lm.estimate import estimate, estimate_text
-from benchmarks.lm.report import write_report
+from benchmarks.lm.report import study_data, write_report
 from benchmarks.lm.study import STUDIES, Study, remaining, task_config
 from benchmarks.lm.timing import (iteration_rates, measure_steps, probe,
                                   run_seconds, timing_key)
 from benchmarks.lm.train import train_run
 from benchmarks.reports import lm as report_lib
+from benchmarks.reports import robustness as robustness_lib
 
 REFERENCE_DIR = harness.REFERENCE_ROOT / "lm"
+ROBUSTNESS_SECTION = "## Learning-rate robustness (language model)"
 
 
 def _field_type(f: dataclasses.Field):
@@ -56,6 +59,12 @@ def parse_args(argv):
                       " discovery and confirmation seeds, then its report;"
                       " prints its time estimate first (--quick: the same"
                       " path at toy size, well under a minute)")
+  p.add_argument("--robustness", action="store_true",
+                 help="the learning-rate sweep of issue 30, resumable (its"
+                      " plan: benchmarks/results/lm/robustness_plan.md):"
+                      " every arm over one grid of base rates, three tuning"
+                      " seeds, seed-major, then its report (--quick: the"
+                      " same path at toy size, well under a minute)")
   p.add_argument("--probe", type=int, default=0,
                  help="first time this many steps of the first run (not"
                       " saved) and print the projected wall time")
@@ -99,15 +108,19 @@ def configs(args) -> list:
 
 
 def check_study_args(args) -> None:
-  """--study fixes its arms, seeds and settings: refuse options that would
-  quietly change them."""
+  """--study and --robustness fix their arms, seeds and settings: refuse
+  options that would quietly change them."""
+  flag, where = (("--robustness", "benchmarks/lm/robustness.py SWEEP")
+                 if args.robustness else
+                 ("--study", "benchmarks/lm/study.py STUDY"))
   names = ("arms", "seeds", "preset") + tuple(
       f.name for f in dataclasses.fields(Config) if f.name != "arm")
   given = [f"--{n.replace('_', '-')}" for n in harness.given(args, names)]
+  if args.study and args.robustness:
+    given.append("one of --study and --robustness")
   if given:
-    raise SystemExit(f"--study fixes its arms, seeds and settings (see"
-                     f" benchmarks/lm/study.py STUDY); drop"
-                     f" {', '.join(given)}.")
+    raise SystemExit(f"{flag} fixes its arms, seeds and settings (see"
+                     f" {where}); drop {', '.join(given)}.")
 
 
 def train_sweep(args, argv, corpus: Corpus, out: pathlib.Path, log) -> bool:
@@ -212,21 +225,103 @@ def train_study(name: str, args, argv, corpus: Corpus, out: pathlib.Path,
   return None
 
 
+def run_robustness(sweep: robustness.Sweep, corpus: Corpus,
+                   out: pathlib.Path, *, command: str = "", log=print,
+                   time_budget: float = 0.0, dry_run: bool = False) -> int:
+  """Runs the sweep's unfinished runs in plan order (the grid extended as
+  the reference's runs come in); stops before a run expected to end past
+  time_budget seconds. Returns the number of runs trained (dry_run: prints
+  how many are left and their expected time, trains none)."""
+  records = harness.RunStore(out).records()
+  done = harness.finished_runs(records, current_version=True)
+  # Iteration rates from these runs, else the study's of the same size.
+  rates = {**iteration_rates(harness.RunStore(REFERENCE_DIR).records()),
+           **iteration_rates(records)}
+  if dry_run:
+    left = robustness.remaining(sweep, done, corpus.data_id)
+    secs = [run_seconds(robustness.sweep_config(sweep, a, e), rates)
+            for a, e, _ in left]
+    known = [s for s in secs if s is not None]
+    log(f"{len(left)} runs planned left (the grid may still extend);"
+        f" about {sum(known) / 3600:.1f} h for the {len(known)} of them"
+        " with a timed configuration, at full length (a diverged run"
+        " stops early)")
+    return 0
+
+  def execute(task) -> dict:
+    rec = train_run(robustness.sweep_config(sweep, task[0], task[1]),
+                    task[2], corpus, out, command=command, log=log)
+    done[rec["name"]] = rec
+    return rec
+
+  def describe(task, rec: dict) -> str:
+    f, why = rec["final"], rec.get("stopped")
+    return (f"{rec['name']} (eta {task[1]:g}): val (whole split)"
+            f" {f['val_loss_full']}, {rec['wall_s']:.0f} s"
+            + (f"; diverged at {why['diverged_at']}: {why['reason']}"
+               if why else ""))
+
+  return study_lib.run_tasks(
+      lambda: robustness.remaining(sweep, done, corpus.data_id), execute,
+      desc="lm robustness", describe=describe,
+      expected_s=lambda t: run_seconds(
+          robustness.sweep_config(sweep, t[0], t[1]), rates),
+      time_budget=time_budget, log=log, progress=False)
+
+
+def robustness_report(out: pathlib.Path, name: str) -> dict:
+  """`benchmarks.reports.robustness.report` of out's runs of the sweep."""
+  sweep = robustness.SWEEPS[name]
+  done = harness.finished_runs(harness.RunStore(out).records(),
+                               current_version=False)
+  data_id = study_data(done.values())
+  cfg = sweep.base
+  return robustness_lib.report(
+      out, robustness.sweep_runs(sweep, done, data_id),
+      plan="benchmarks/results/lm/robustness_plan.md",
+      grid=robustness.grid(sweep, done, data_id), seeds=sweep.seeds,
+      left=len(robustness.remaining(sweep, done, data_id)),
+      heading=ROBUSTNESS_SECTION, setting=(
+          f"nanoGPT's {'toy' if name == 'quick' else 'CPU'} configuration"
+          f" ({cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head} heads,"
+          f" {cfg.max_iters} iterations, weight decay {cfg.weight_decay}),"
+          f" corpus {data_id}; an arm's Q/K rates move with eta by its"
+          f" study ratio ({', '.join(f'{a} {k} = {r:g} eta' for a, d in sweep.ratios.items() if a in sweep.arms for k, r in d.items())};"
+          f" stiefel's cap {sweep.cap_ratio:g} x its Q/K lr)."))
+
+
 def main(argv=None) -> dict:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
   log = (lambda *_: None) if args.quiet else functools.partial(print,
                                                                flush=True)
   study = None
-  if args.study:
+  if args.study or args.robustness:
     check_study_args(args)
     study = "quick" if args.quick else "full"
-  folder = "lm" if study is None else f"lm_study{'_quick' * args.quick}"
+  folder = ("lm" if study is None else
+            f"lm_{'robustness' if args.robustness else 'study'}"
+            f"{'_quick' * args.quick}")
   out = args.out or (REFERENCE_DIR if args.report_only and args.results_md
                      else harness.default_out(folder))
   if args.note:
     harness.write_text(out / "notes.md", args.note.strip() + "\n")
   with training.toy_compiler(args.quick):
+    if args.robustness:
+      if not args.report_only:
+        run_robustness(robustness.SWEEPS[study],
+                       load_corpus(str(args.data or default_data())), out,
+                       command=harness.command_line("benchmarks.lm", argv),
+                       log=log, time_budget=args.time_budget,
+                       dry_run=args.dry_run)
+        if args.dry_run:
+          return {}
+      rep = robustness_report(out, study)
+      if args.results_md:
+        harness.write_section(args.results_md, ROBUSTNESS_SECTION,
+                              rep["markdown"])
+      log(rep["markdown"])
+      return rep
     if not args.report_only:
       corpus = load_corpus(str(args.data or default_data()))
       if study is None:

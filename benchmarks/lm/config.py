@@ -19,7 +19,7 @@ import dataclasses
 from benchmarks import harness
 
 ARMS = ("adamw", "stiefel", "rsgd", "stiefel_muon", "muon", "qk_norm",
-        "orthogonal_init")
+        "orthogonal_init", "qk_clip")
 # Arms whose Q/K parts start orthonormal (the polar factor of nanoGPT's init).
 ORTHONORMAL_START = ("stiefel", "rsgd", "stiefel_muon", "orthogonal_init")
 # Fields that only one arm reads: kept out of the other arms' identity, so

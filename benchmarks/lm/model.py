@@ -38,8 +38,25 @@ def n_params(params) -> int:
   return int(sum(x.size for x in jax.tree.leaves(params)))
 
 
-def loss_fn(model: GPT, params, x, y, dropout_key=None):
-  rngs = None if dropout_key is None else {"dropout": dropout_key}
-  logits = model.apply({"params": params}, x,
-                       deterministic=dropout_key is None, rngs=rngs)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+def loss_fn(model: GPT, params, x, y, dropout_key=None, logits=False):
+  """Mean next-token cross-entropy; with logits=True, (loss, its forward
+  pass's attention-logit records `logit_records`)."""
+  kw = dict(deterministic=dropout_key is None,
+            rngs=None if dropout_key is None else {"dropout": dropout_key})
+  if not logits:
+    out = model.apply({"params": params}, x, **kw)
+    return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+  out, sown = model.apply({"params": params}, x, mutable=["intermediates"],
+                          **kw)
+  loss = optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+  return loss, logit_records(sown)
+
+
+def logit_records(sown) -> dict:
+  """{"max_logit": (n_layer, n_head) max |q . k| / sqrt(head_dim), "bound":
+  (n_layer,) max ||x_i|| ||x_j|| / sqrt(head_dim)} over a forward pass's
+  causal pairs, from what `GPTAttention` sowed."""
+  layers = sorted(sown["intermediates"], key=lambda n: int(n.split("_")[1]))
+  attn = [sown["intermediates"][n]["attn"] for n in layers]
+  return dict(max_logit=jnp.stack([a["max_logit"][0] for a in attn]),
+              bound=jnp.stack([a["logit_bound"][0] for a in attn]))

@@ -13,10 +13,14 @@ import optax
 
 import stiefel_optax as so
 from benchmarks import training
-from benchmarks.lm.arms import make_optimizer
+from benchmarks.lm.arms import lr_schedule, make_optimizer
 from benchmarks.lm.config import Config
 from benchmarks.lm.data import get_batch
 from benchmarks.lm.model import frames, loss_fn, make_model
+
+
+# stiefel_adam's default eps, which the stiefel arm keeps.
+ADAM_EPS = 1e-8
 
 
 def keys(seed: int):
@@ -56,15 +60,59 @@ def chunk_fn(cfg: Config, vocab_size: int):
                      cfg.block_size)
     return x, y, jax.random.fold_in(drop_key, it) if cfg.dropout > 0 else None
 
-  train = training.train_chunk(lambda p, x, y, dk: loss_fn(model, p, x, y, dk),
-                               tx, batch_of)
+  clip = cfg.arm == "qk_clip"
+
+  def loss(p, x, y, dk):
+    if not clip:
+      return loss_fn(model, p, x, y, dk)
+    value, rec = loss_fn(model, p, x, y, dk, logits=True)
+    return value, dict(max_logit=jax.lax.stop_gradient(rec["max_logit"]))
+
+  train = training.train_chunk(loss, tx, batch_of, update_args=clip,
+                               aux_fn=step_records(cfg))
 
   def chunk(carry, start, data, batch_key, drop_key):
-    carry, loss, _ = train(carry, start + jnp.arange(cfg.eval_interval), data,
-                           batch_key, drop_key)
-    return carry, loss
+    carry, loss, aux = train(carry, start + jnp.arange(cfg.eval_interval),
+                             data, batch_key, drop_key)
+    return carry, (loss, aux)
 
   return training.jit(chunk, donate_argnums=0)
+
+
+def step_records(cfg: Config):
+  """The Stiefel arms' per-step records (None for the others; train_chunk
+  averages them over a chunk): `step_norm`, the mean over the Q/K frames
+  of ||W+ - W||_F; for `stiefel` also `cap_binds`, the fraction of frames
+  whose trust-region cap bound, i.e. whose uncapped step
+  lr ||m^|| / (sqrt(v^) + eps) (Adam's bias-corrected moments, read from
+  the new state) exceeded max_step_norm. rsgd and stiefel_muon run
+  uncapped (their cap never binds)."""
+  if cfg.arm not in ("stiefel", "rsgd", "stiefel_muon"):
+    return None
+  sel, lr = frames(cfg), lr_schedule(cfg, cfg.stiefel_learning_rate)
+  is_adam = lambda s: isinstance(s, so.ScaleByFrameAdamState)
+
+  def records(old, new, opt_state):
+    out = dict(step_norm=_mean(so.frame_movement(old, new, sel).values()))
+    if cfg.arm == "stiefel":
+      (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam)
+                 if is_adam(s)]
+      t = adam.count.astype(jnp.float32)
+      uncapped = [lr(t - 1) * jnp.linalg.norm(m, axis=(-2, -1))
+                  / ((1 - cfg.beta1 ** t)
+                     * (jnp.sqrt(v / (1 - cfg.beta2 ** t)) + ADAM_EPS))
+                  for m, v in zip(jax.tree.leaves(adam.mu),
+                                  jax.tree.leaves(adam.nu))]
+      out["cap_binds"] = _mean(n > cfg.max_step_norm for n in uncapped)
+    return out
+
+  return records
+
+
+def _mean(arrays) -> jax.Array:
+  """The mean over every element of the arrays."""
+  return jnp.mean(jnp.concatenate([jnp.ravel(a).astype(jnp.float32)
+                                   for a in arrays]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,12 +129,18 @@ def estimate_fn(cfg: Config, vocab_size: int):
     return jax.lax.map(one, jax.random.split(key, cfg.eval_iters)).mean()
 
   def estimate(params, train, val, key, it):
+    # The logit records' fixed batch: the first validation batch of the
+    # step-0 evaluation, the same at every evaluation of the seed.
+    fixed = get_batch(val, jax.random.split(jax.random.fold_in(
+        jax.random.fold_in(key, 0), 1), cfg.eval_iters)[0], cfg.batch_size,
+                      cfg.block_size)
+    _, rec = loss_fn(model, params, *fixed, logits=True)
     key = jax.random.fold_in(key, it)
     iso = so.frame_isometry_errors(params, frames(cfg))
     return dict(train_loss=split_loss(params, train, jax.random.fold_in(key, 0)),
                 val_loss=split_loss(params, val, jax.random.fold_in(key, 1)),
-                qk_iso=jnp.mean(jnp.concatenate(
-                    [e.ravel() for e in iso.values()])))
+                qk_iso=_mean(iso.values()),
+                max_logit=rec["max_logit"].max(-1), logit_bound=rec["bound"])
 
   return training.jit(estimate)
 

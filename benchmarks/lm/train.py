@@ -7,6 +7,7 @@ import pathlib
 from typing import Optional
 
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import harness, training
 from benchmarks.lm.arms import lr_schedule, make_optimizer
@@ -15,6 +16,37 @@ from benchmarks.lm.data import Corpus
 from benchmarks.lm.model import initial_params, n_params
 from benchmarks.lm.steps import (chunk_fn, estimate_fn, eval_config,
                                  full_loss_fn, keys, train_config)
+
+
+HISTORY = ("step", "train_loss", "val_loss", "qk_iso", "max_logit",
+           "logit_bound", "lr", "chunk_loss", "step_norm", "cap_binds",
+           "wall_s")
+# The chunk's per-step means (`steps.step_records`; None for other arms).
+STEP_RECORDS = ("step_norm", "cap_binds")
+
+
+def json_value(x):
+  """x as JSON: floats (lists per layer), a non-finite float as None."""
+  if x is None:
+    return None
+  a = np.asarray(x, np.float64)
+  if a.ndim:
+    return [json_value(v) for v in a]
+  return float(a) if np.isfinite(a) else None
+
+
+def diverged(hist: dict) -> Optional[dict]:
+  """The divergence rule of the robustness plan at the last evaluation:
+  its training or validation estimate non-finite (None) or above that
+  split's initial estimate (step 0's); then {"diverged_at": step,
+  "reason": ...}, which stops the run (`training.train_run`)."""
+  for k in ("train_loss", "val_loss"):
+    v, first = hist[k][-1], hist[k][0]
+    if v is None or first is None or v > first:
+      return dict(diverged_at=hist["step"][-1], reason=(
+          f"{k} non-finite" if v is None or first is None
+          else f"{k} {v:.4f} above the initial {first:.4f}"))
+  return None
 
 
 def train_run(cfg: Config, seed: int, corpus: Corpus,
@@ -40,31 +72,28 @@ def train_run(cfg: Config, seed: int, corpus: Corpus,
                identity=ident, data=corpus.data_id, **harness.versions(),
                machine=harness.machine(), trained_by=[],
                n_params=n_params(params), wall_s=0.0, cpu_s=0.0, final=None,
-               history={k: [] for k in ("step", "train_loss", "val_loss",
-                                        "qk_iso", "lr", "chunk_loss",
-                                        "wall_s")})
+               history={k: [] for k in HISTORY})
     return run, (params, make_optimizer(cfg).init(params))
 
-  def record(run, carry, it, chunk_loss, wall_s):
+  def record(run, carry, it, out, wall_s):
     hist = run["history"]
-    m = {k: float(v) for k, v in estimate(carry[0], train, val, ekey,
-                                          it).items()}
+    m = estimate(carry[0], train, val, ekey, it)
+    chunk_loss, steps = (None, {}) if out is None else (out[0], out[1] or {})
+    m.update(chunk_loss=chunk_loss, lr=lr(max(it - 1, 0)),
+             **{k: steps.get(k) for k in STEP_RECORDS})
     for k, v in m.items():
-      hist[k].append(v)
+      hist.setdefault(k, []).append(json_value(v))
     hist["step"].append(it)
-    hist["lr"].append(float(lr(max(it - 1, 0))))
-    hist["chunk_loss"].append(None if chunk_loss is None
-                              else float(chunk_loss))
     hist["wall_s"].append(round(wall_s, 2))
-    log(f"  {run['name']} step {it}: train {m['train_loss']:.4f}, val"
-        f" {m['val_loss']:.4f} ({hist['wall_s'][-1]:.0f} s)")
+    log(f"  {run['name']} step {it}: train {hist['train_loss'][-1]}, val"
+        f" {hist['val_loss'][-1]} ({hist['wall_s'][-1]:.0f} s)")
+    return diverged(hist)
 
   def finish(run, carry):
     hist = run["history"]
-    full = float(full_loss_fn(eval_config(cfg), corpus.vocab_size)(carry[0],
-                                                                  val))
+    full = full_loss_fn(eval_config(cfg), corpus.vocab_size)(carry[0], val)
     return dict(step=hist["step"][-1], train_loss=hist["train_loss"][-1],
-                val_loss=hist["val_loss"][-1], val_loss_full=full,
+                val_loss=hist["val_loss"][-1], val_loss_full=json_value(full),
                 qk_iso=hist["qk_iso"][-1])
 
   store = (harness.RunStore(out) if out is not None and max_iters is None

@@ -1,0 +1,120 @@
+"""The learning-rate sweep of issue 30 (`--robustness`), as its plan fixes
+it (benchmarks/results/lm/robustness_plan.md): every arm on one shared
+x-axis, the base learning rate eta of its AdamW-trained weights, its other
+rates moving with eta by the ratio its study tuning chose; the full
+2,000-iteration schedule; three tuning seeds per point, seed-major; a run
+that diverges is stopped, kept and counted at its initial loss.
+
+>>> c = sweep_config(SWEEP, "stiefel", 1e-3)
+>>> c.learning_rate, c.min_lr, c.stiefel_learning_rate, c.max_step_norm
+(0.001, 0.0001, 0.03, 0.009)
+>>> grid(SWEEP, {}) == SWEEP.grid      # no extension before AdamW's top run
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+from benchmarks import harness
+from benchmarks.lm.config import CPU, QUICK, Config, run_name
+from benchmarks.lm.study import point_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """arms (the first is the reference, AdamW), grid of eta, extension (the
+  points added upward, in turn, while the reference finishes at the top
+  point on any seed), ratios {arm: {Config field: multiple of eta}},
+  cap_ratio (stiefel: max_step_norm = cap_ratio x its Q/K lr), seeds (run
+  seed-major), base (the configuration, its schedule the runs')."""
+  arms: tuple
+  grid: tuple
+  extension: tuple
+  ratios: Mapping
+  cap_ratio: float
+  seeds: tuple
+  base: Config
+
+
+# The study's choices against adamw's lr 1e-2 (results/lm/results.json
+# study/tuning/*/chosen): stiefel 0.3 with cap 0.3 x 0.3, rsgd 10,
+# stiefel_muon 0.01, muon 0.01; weight decay 0.03 for every AdamW recipe.
+RATIOS = {"stiefel": {"stiefel_learning_rate": 30.0},
+          "rsgd": {"rsgd_learning_rate": 1000.0},
+          "stiefel_muon": {"stiefel_muon_learning_rate": 1.0},
+          "muon": {"muon_learning_rate": 1.0}}
+SWEEP = Sweep(
+    arms=("adamw", "stiefel", "rsgd", "stiefel_muon", "qk_norm", "qk_clip"),
+    grid=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
+    extension=(3.0, 10.0), ratios=RATIOS, cap_ratio=0.3,
+    seeds=(100, 101, 102), base=dataclasses.replace(CPU, weight_decay=0.03))
+# The same path at toy size (`--robustness --quick`, well under a minute):
+# at eta 3 and 30 the toy AdamW diverges.
+QUICK_SWEEP = Sweep(
+    arms=("adamw", "stiefel", "qk_clip"), grid=(1e-2, 3.0),
+    extension=(30.0,), ratios=RATIOS, cap_ratio=0.3, seeds=(100,),
+    base=dataclasses.replace(QUICK, n_layer=1, n_embd=8, block_size=8,
+                             max_iters=20, lr_decay_iters=20,
+                             eval_interval=10, eval_iters=2))
+SWEEPS = {"full": SWEEP, "quick": QUICK_SWEEP}
+
+
+def sweep_config(sweep: Sweep, arm: str, eta: float) -> Config:
+  """The arm's configuration at base learning rate eta (its floor eta / 10,
+  as every LM run; its Q/K rates eta times its ratios)."""
+  hp = {"learning_rate": eta}
+  hp.update({k: float(f"{r * eta:.6g}")
+             for k, r in sweep.ratios.get(arm, {}).items()})
+  if arm == "stiefel":
+    hp["max_step_ratio"] = sweep.cap_ratio
+  return point_config(sweep.base, arm, hp, sweep.base.max_iters)
+
+
+def finished(rec: Optional[Mapping]) -> bool:
+  """A run that reached its end, diverged or not."""
+  return rec is not None and rec.get("final") is not None
+
+
+def grid(sweep: Sweep, done: Mapping, data_id: str = "") -> tuple:
+  """The grid with the extension points the reference's finished runs
+  open: the next point up while the reference finished the top point
+  without diverging on any seed (done: {name: record})."""
+  points = tuple(sweep.grid)
+  for nxt in sweep.extension:
+    cfg = sweep_config(sweep, sweep.arms[0], points[-1])
+    runs = [done.get(run_name(cfg, s, data_id)) for s in sweep.seeds]
+    if not any(finished(r) and not r.get("stopped") for r in runs):
+      break
+    points += (nxt,)
+  return points
+
+
+def tasks(sweep: Sweep, done: Mapping, data_id: str) -> list:
+  """Every (arm, eta, seed) the finished runs let us name, seed-major (all
+  arms at every point at the first seed, then the next), the reference's
+  points first within a seed so that its extension is known in time."""
+  points = grid(sweep, done, data_id)
+  return [(arm, eta, seed) for seed in sweep.seeds for arm in sweep.arms
+          for eta in points]
+
+
+def remaining(sweep: Sweep, done: Mapping, data_id: str) -> list:
+  return [t for t in tasks(sweep, done, data_id)
+          if not finished(done.get(task_name(sweep, t, data_id)))]
+
+
+def task_name(sweep: Sweep, task: tuple, data_id: str) -> str:
+  arm, eta, seed = task
+  return run_name(sweep_config(sweep, arm, eta), seed, data_id)
+
+
+def sweep_runs(sweep: Sweep, done: Mapping, data_id: str) -> list:
+  """The sweep's finished runs as rows {arm, eta, seed, record}."""
+  rows = []
+  for t in tasks(sweep, done, data_id):
+    rec = done.get(task_name(sweep, t, data_id))
+    if finished(rec) and harness.matches(rec):
+      rows.append(dict(arm=t[0], eta=t[1], seed=t[2], record=rec))
+  return rows

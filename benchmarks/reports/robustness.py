@@ -1,0 +1,282 @@
+"""The learning-rate robustness report (issue 30): from a sweep's finished
+runs (rows {arm, eta, seed, record}) to each arm's curve of final loss
+against the base learning rate eta, its best point, its learning-rate
+sensitivity and its range within 0.05 of its best, the max-logit records
+beside their bound, the Stiefel arms' step records, two plots and the
+markdown. Any benchmark whose records carry `history` (step, val_loss,
+max_logit, logit_bound, step_norm, cap_binds) and `final` (`loss_key`)
+reads the same way.
+
+A run that diverged (record["stopped"]) or whose final loss is not finite
+counts at its initial loss L0 (the first evaluation's validation loss), and
+every loss at min(L, L0) (Wortsman et al. 2023, arXiv 2309.14322). The
+sensitivity of an arm over the grid G is theirs,
+
+    S = mean over eta in G of min(L(eta), L0) - min over eta of L(eta),
+
+L(eta) the mean over the tuning seeds at eta, here over the points of G
+where the arm has runs (the report says how many).
+
+>>> rec = lambda loss, stopped=None: dict(final=dict(val_loss_full=loss),
+...     stopped=stopped, history=dict(val_loss=[4.0]))
+>>> rows = [dict(arm="a", eta=e, seed=0, record=rec(l))
+...         for e, l in ((0.1, 2.0), (0.3, 1.5), (1.0, 9.0))]
+>>> c = curves(rows)
+>>> s = summary(c["a"])
+>>> s["best_eta"], s["best"], round(s["sensitivity"], 4)  # (0.5+0+2.5)/3
+(0.3, 1.5, 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from benchmarks import harness
+
+WITHIN = 0.05   # the range of rates within this much of an arm's best
+
+
+def initial_loss(rec: Mapping) -> float:
+  return rec["history"]["val_loss"][0]
+
+
+def capped_loss(rec: Mapping, loss_key: str = "val_loss_full") -> float:
+  """min(L, L0); L0 for a diverged run or a non-finite L."""
+  l0 = initial_loss(rec)
+  loss = (rec.get("final") or {}).get(loss_key)
+  if rec.get("stopped") or loss is None or not math.isfinite(loss):
+    return l0
+  return min(loss, l0)
+
+
+def curves(rows: Sequence[Mapping], loss_key: str = "val_loss_full") -> dict:
+  """{arm: {eta: {mean, losses, seeds, diverged: [(seed, step), ...]}}},
+  arms and rates in the rows' order and ascending eta."""
+  out: dict = {}
+  for r in rows:
+    pt = out.setdefault(r["arm"], {}).setdefault(
+        r["eta"], dict(losses=[], seeds=[], diverged=[]))
+    pt["losses"].append(capped_loss(r["record"], loss_key))
+    pt["seeds"].append(r["seed"])
+    if r["record"].get("stopped"):
+      pt["diverged"].append((r["seed"],
+                             r["record"]["stopped"]["diverged_at"]))
+  for arm, pts in out.items():
+    out[arm] = {e: dict(pts[e], mean=float(np.mean(pts[e]["losses"])))
+                for e in sorted(pts)}
+  return out
+
+
+def summary(curve: Mapping) -> dict:
+  """An arm's best point, sensitivity and range within WITHIN of its best
+  (the contiguous grid span around the best point)."""
+  etas = list(curve)
+  means = [curve[e]["mean"] for e in etas]
+  i = int(np.argmin(means))
+  lo = hi = i
+  while lo > 0 and means[lo - 1] <= means[i] + WITHIN:
+    lo -= 1
+  while hi < len(etas) - 1 and means[hi + 1] <= means[i] + WITHIN:
+    hi += 1
+  return dict(best_eta=etas[i], best=means[i],
+              sensitivity=float(np.mean(means) - means[i]),
+              n_points=len(etas), range=(etas[lo], etas[hi]),
+              decades=math.log10(etas[hi] / etas[lo]),
+              diverged=sum(len(curve[e]["diverged"]) for e in etas),
+              runs=sum(len(curve[e]["losses"]) for e in etas))
+
+
+def adamw_points(curve: Mapping) -> tuple:
+  """(AdamW's best eta, the highest eta where it finishes on every seed
+  run there): where the logit records are compared."""
+  best = summary(curve)["best_eta"]
+  fin = [e for e, p in curve.items() if not p["diverged"]]
+  return best, max(fin) if fin else best
+
+
+def history_of(rows: Sequence[Mapping], arm: str, eta: float,
+               key: str) -> list:
+  """[(seed, steps, values)] of the arm's runs at eta for a history key
+  (values per evaluation; a per-layer list reduced by its max)."""
+  out = []
+  for r in rows:
+    if r["arm"] == arm and r["eta"] == eta:
+      h = r["record"]["history"]
+      vals = [max(v) if isinstance(v, list) else v
+              for v in h.get(key, [None] * len(h["step"]))]
+      out.append((r["seed"], h["step"], vals))
+  return out
+
+
+def step_records(rows: Sequence[Mapping], arm: str) -> dict:
+  """{eta: (mean cap-binding fraction or None, mean step norm)} over the
+  arm's runs and their chunks (each chunk's per-step means, equal weight)."""
+  out: dict = {}
+  for r in rows:
+    if r["arm"] != arm:
+      continue
+    h = r["record"]["history"]
+    for key in ("cap_binds", "step_norm"):
+      vals = [v for v in h.get(key, []) if v is not None]
+      out.setdefault(r["eta"], {}).setdefault(key, []).extend(vals)
+  return {e: tuple(float(np.mean(d[k])) if d.get(k) else None
+                   for k in ("cap_binds", "step_norm"))
+          for e, d in sorted(out.items())}
+
+
+def fmt_eta(eta: float) -> str:
+  return f"{eta:g}"
+
+
+def curve_table(cs: Mapping) -> list:
+  """Arms by rows, rates by columns: the mean capped loss (n seeds;
+  diverged runs marked d)."""
+  etas = sorted({e for c in cs.values() for e in c})
+  rows = []
+  for arm, c in cs.items():
+    cells = []
+    for e in etas:
+      p = c.get(e)
+      cells.append("" if p is None else f"{p['mean']:.3f}"
+                   + (f" ({len(p['diverged'])}d/{len(p['losses'])})"
+                      if p["diverged"] else ""))
+    rows.append([arm] + cells)
+  return harness.markdown_table(["arm \\ eta"] + [fmt_eta(e) for e in etas],
+                                "l" + "r" * len(etas), rows)
+
+
+def summary_table(cs: Mapping) -> list:
+  rows = []
+  for arm, c in cs.items():
+    s = summary(c)
+    rows.append([arm, fmt_eta(s["best_eta"]), f"{s['best']:.4f}",
+                 f"{s['sensitivity']:.3f} ({s['n_points']} pts)",
+                 f"{fmt_eta(s['range'][0])} - {fmt_eta(s['range'][1])}"
+                 f" ({s['decades']:.1f} decades)",
+                 f"{s['diverged']}/{s['runs']}"])
+  return harness.markdown_table(
+      ["arm", "best eta", "best loss", "sensitivity", f"within {WITHIN}",
+       "diverged"], "llrrll", rows)
+
+
+def logit_table(rows: Sequence[Mapping], cs: Mapping,
+                etas: Sequence[float]) -> list:
+  """Per arm and eta: the last and the largest recorded max logit (max over
+  layers, mean over seeds) and the bound at the last evaluation."""
+  out = []
+  for eta in etas:
+    for arm in cs:
+      logit = history_of(rows, arm, eta, "max_logit")
+      bound = history_of(rows, arm, eta, "logit_bound")
+      if not logit or any(v is None for _, _, vs in logit for v in vs[:1]):
+        continue
+      last = np.mean([next(v for v in reversed(vs) if v is not None)
+                      for _, _, vs in logit])
+      peak = np.mean([max(v for v in vs if v is not None)
+                      for _, _, vs in logit])
+      b = np.mean([next(v for v in reversed(vs) if v is not None)
+                   for _, _, vs in bound])
+      out.append([fmt_eta(eta), arm, f"{last:.2f}", f"{peak:.2f}",
+                  f"{b:.2f}"])
+  return harness.markdown_table(
+      ["eta", "arm", "max logit (end)", "max logit (peak)", "bound (end)"],
+      "llrrr", out)
+
+
+def step_table(rows: Sequence[Mapping], arms: Sequence[str]) -> list:
+  out = []
+  for arm in arms:
+    for eta, (binds, norm) in step_records(rows, arm).items():
+      out.append([arm, fmt_eta(eta),
+                  "uncapped" if binds is None else f"{binds:.3f}",
+                  "" if norm is None else f"{norm:.3g}"])
+  return harness.markdown_table(
+      ["arm", "eta", "cap binds (fraction of frame-steps)",
+       "mean frame step ||W+ - W||_F"], "lrrr", out)
+
+
+def plot_curves(cs: Mapping, path: pathlib.Path, title: str) -> None:
+  plt = harness.pyplot()
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  for arm, c in cs.items():
+    etas = list(c)
+    line, = ax.plot(etas, [c[e]["mean"] for e in etas], marker="o",
+                    label=arm)
+    div = [e for e in etas if c[e]["diverged"]]
+    ax.plot(div, [c[e]["mean"] for e in div], "x", color=line.get_color(),
+            markersize=10)
+  ax.set_xscale("log")
+  ax.set_xlabel("base learning rate eta (x: a tuning seed diverged)")
+  ax.set_ylabel("final val loss, capped at L0 (mean of seeds)")
+  ax.set_title(title)
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  harness.save_figure(fig, path, dpi=110)
+
+
+def plot_logits(rows: Sequence[Mapping], arms: Sequence[str],
+                etas: Sequence[float], path: pathlib.Path) -> None:
+  plt = harness.pyplot()
+  fig, axes = plt.subplots(1, len(etas), figsize=(5.5 * len(etas), 4),
+                           squeeze=False)
+  for ax, eta in zip(axes[0], etas):
+    for arm in arms:
+      runs = history_of(rows, arm, eta, "max_logit")
+      if not runs:
+        continue
+      _, steps, vals = runs[0]           # the first tuning seed
+      ax.plot(steps, [np.nan if v is None else v for v in vals], label=arm)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max |q.k|/sqrt(hd) over layers (first seed)")
+    ax.set_title(f"eta = {fmt_eta(eta)}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  harness.save_figure(fig, path, dpi=110)
+
+
+def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
+           grid: Sequence[float], seeds: Sequence[int], left: int,
+           reference: str = "adamw", heading: str, setting: str) -> dict:
+  """Writes out/robustness.md with its two plots; returns {markdown,
+  curves}. left: the planned runs not yet finished."""
+  cs = curves(rows)
+  lines = [heading, "", setting, "",
+           f"Plan (fixed before any run): `{plan}`. Grid of eta:"
+           f" {', '.join(fmt_eta(e) for e in grid)}; tuning seeds"
+           f" {harness.format_seeds(seeds)}; {len(rows)} runs finished,"
+           f" {left} planned left" + (" (a partial sweep: curves may miss"
+                                      " seeds)." if left else "."), ""]
+  if not cs:
+    lines.append("No finished run yet.")
+  else:
+    plot_curves(cs, out / "robustness.png", "LM: final loss against eta")
+    lines += ["![loss against eta](robustness.png)", "",
+              "Mean capped final whole-split validation loss (n d/k: n of k"
+              " tuning seeds diverged, counted at their initial loss):", ""]
+    lines += curve_table(cs) + [""]
+    lines += [f"Per arm: best point, learning-rate sensitivity (Wortsman et"
+              f" al.: mean over the grid of min(L, L0) - min L), the span of"
+              f" rates whose mean stays within {WITHIN} of the best, runs"
+              f" diverged:", ""] + summary_table(cs) + [""]
+    if reference in cs:
+      pts = sorted(set(adamw_points(cs[reference])))
+      plot_logits(rows, list(cs), pts, out / "robustness_logits.png")
+      lines += [f"Attention logits at {reference}'s best eta and at the"
+                f" highest eta where it finishes on every seed (the"
+                f" bound ||x_i|| ||x_j|| / sqrt(head_dim) holds for"
+                f" orthonormal frames only):", "",
+                "![max logit against step](robustness_logits.png)", ""]
+      lines += logit_table(rows, cs, pts) + [""]
+    stiefel = [a for a in cs if a in ("stiefel", "rsgd", "stiefel_muon")]
+    if stiefel:
+      lines += ["Where the Stiefel arms' step comes from (means over all"
+                " steps and tuning seeds):", ""]
+      lines += step_table(rows, stiefel) + [""]
+  text = "\n".join(lines).rstrip("\n") + "\n"
+  harness.write_text(out / "robustness.md", text)
+  return dict(markdown=text, curves=cs)
