@@ -1,0 +1,174 @@
+"""The learning-rate robustness sweep (issue 30, benchmarks/lm/robustness.py
+and benchmarks/reports/robustness.py): `--robustness --quick` runs its
+whole path (a finished and a diverged run per arm, the diverged one stopped
+and counted at its initial loss), a rerun trains nothing and --report-only
+gives the same bytes; the logit records hold their bound on orthonormal
+frames; qk_clip rescales the heads above tau; the cap records read the
+trust region; the grid extends only while AdamW finishes its top point."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import benchmarks.lm.cli
+from benchmarks import lm, training
+from benchmarks.lm import robustness
+from benchmarks.reports import robustness as report_lib
+
+DATA = lm.data.default_data()
+needs_data = pytest.mark.skipif(not DATA.is_file(),
+                                reason=f"no corpus at {DATA}")
+
+
+@needs_data
+def test_quick_sweep_runs_diverges_resumes_and_reports(tmp_path, capsys):
+  out, md = tmp_path / "rob", tmp_path / "RESULTS.md"
+  md.write_text("# Benchmark results\n\n## Grokking\n\nother text\n")
+  rep = lm.cli.main(["--robustness", "--quick", "--out", str(out),
+                     "--results-md", str(md)])
+  printed = capsys.readouterr().out
+  sweep = robustness.QUICK_SWEEP
+  recs = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+  assert len(recs) == len(sweep.arms) * len(sweep.grid)
+  assert not list((out / "runs").glob("*.npz"))
+  by = {(r["arm"], r["config"]["learning_rate"]): r for r in recs}
+  for arm in sweep.arms:
+    ok, bad = by[(arm, sweep.grid[0])], by[(arm, sweep.grid[-1])]
+    assert ok.get("stopped") is None and ok["history"]["step"][-1] == 20
+    # diverged: stopped at its first evaluation, kept, counted at L0
+    assert bad["stopped"]["diverged_at"] == 10 and bad["final"] is not None
+    assert bad["history"]["step"] == [0, 10]
+    l0 = bad["history"]["val_loss"][0]
+    point = rep["curves"][arm][sweep.grid[-1]]
+    assert point["losses"] == [l0] and point["diverged"] == [(100, 10)]
+    h = ok["history"]
+    assert len(h["max_logit"][0]) == sweep.base.n_layer
+  # AdamW diverged at the top point: no extension to 30
+  assert "Grid of eta: 0.01, 3;" in rep["markdown"]
+  # orthonormal frames: every recorded logit within its bound
+  st = by[("stiefel", sweep.grid[0])]["history"]
+  for logit, bound in zip(st["max_logit"], st["logit_bound"]):
+    assert max(logit) <= max(bound) * (1 + 1e-5)
+  assert st["cap_binds"][0] is None and 0 <= st["cap_binds"][1] <= 1
+  assert st["step_norm"][1] > 0
+  assert "diverged at 10" in printed
+  text = md.read_text()
+  assert "## Grokking\n\nother text" in text
+  assert "## Learning-rate robustness (language model)" in text
+  assert (out / "robustness.png").is_file()
+  assert (out / "robustness_logits.png").is_file()
+  # a rerun trains nothing; --report-only gives the same bytes
+  before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+  lm.cli.main(["--robustness", "--quick", "--out", str(out), "--quiet"])
+  lm.cli.main(["--robustness", "--quick", "--report-only", "--out",
+               str(out), "--quiet"])
+  after = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+  assert after == before
+  with pytest.raises(SystemExit, match="--robustness fixes"):
+    lm.cli.main(["--robustness", "--quick", "--arms", "adamw"])
+
+
+def test_grid_extends_while_adamw_finishes_its_top_point():
+  sweep = robustness.SWEEP
+  data = "d"
+  name = lambda eta, seed: robustness.task_name(sweep, ("adamw", eta, seed),
+                                                data)
+  fin = dict(final={"val_loss_full": 2.0})
+  assert robustness.grid(sweep, {}, data) == sweep.grid
+  done = {name(1.0, 101): fin}          # finished on one seed: extend
+  assert robustness.grid(sweep, done, data) == sweep.grid + (3.0,)
+  done[name(3.0, 100)] = dict(fin, stopped={"diverged_at": 250})
+  assert robustness.grid(sweep, done, data) == sweep.grid + (3.0,)
+  done[name(3.0, 102)] = fin
+  assert robustness.grid(sweep, done, data) == sweep.grid + (3.0, 10.0)
+  # seed-major, AdamW's points first within a seed
+  tasks = robustness.tasks(sweep, {}, data)
+  assert len(tasks) == 6 * 9 * 3
+  assert [t[2] for t in tasks] == sorted(t[2] for t in tasks)
+  assert tasks[:9] == [("adamw", e, 100) for e in sweep.grid]
+  c = robustness.sweep_config(sweep, "rsgd", 3e-4)
+  assert (c.rsgd_learning_rate, c.min_lr, c.weight_decay,
+          c.max_iters) == (0.3, 3e-5, 0.03, 2000)
+
+
+def test_divergence_rule():
+  h = dict(step=[0, 250], train_loss=[4.2, 2.0], val_loss=[4.19, 4.3])
+  assert lm.train.diverged(h)["diverged_at"] == 250
+  h["val_loss"][1] = None
+  assert "non-finite" in lm.train.diverged(h)["reason"]
+  h["val_loss"][1] = 2.1
+  assert lm.train.diverged(h) is None
+  assert lm.train.json_value(jnp.array([1.0, jnp.nan])) == [1.0, None]
+
+
+def test_training_stops_where_record_says_and_keeps_the_run(tmp_path):
+  """`training.train_run`: a record that returns a reason stops the run
+  there; the stopped run is finished and returned as it is later."""
+  import optax
+  from benchmarks import harness
+  tx = optax.sgd(0.25)
+  step = jax.jit(training.train_chunk(lambda p: jnp.sum((p - 1.0) ** 2), tx,
+                                      lambda _: (), length=2))
+
+  def start():
+    p = jnp.zeros(2)
+    return dict(identity="v1", wall_s=0.0, history=dict(step=[])), (
+        p, tx.init(p))
+
+  def record(run, carry, it, out, wall_s):
+    run["history"]["step"].append(it)
+    return {"diverged_at": it} if it == 4 else None
+
+  calls = []
+  kw = dict(start=start, record=record, every=2, stop=10,
+            finish=lambda run, carry: {"p": float(carry[0][0])},
+            chunk=lambda c, it: (calls.append(it), step(c, None)[:2])[1])
+  store = harness.RunStore(tmp_path)
+  run = training.train_run(store, "toy", "v1", **kw)
+  assert run["history"]["step"] == [0, 2, 4] and run["stopped"] == {
+      "diverged_at": 4} and run["final"] is not None
+  again = training.train_run(store, "toy", "v1", **kw)
+  assert again == run and calls == [0, 2]
+
+
+def test_qk_clip_rescales_only_heads_above_tau():
+  cfg = dataclasses.replace(robustness.QUICK_SWEEP.base, arm="qk_clip",
+                            n_head=2)
+  params = lm.model.initial_params(cfg, 65, 0)
+  tx = lm.arms.qk_clip(cfg.n_head, tau=1.0)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  u, _ = tx.update(zeros, tx.init(params), params,
+                   max_logit=jnp.array([[4.0, 0.5]]))
+  w = params["h_0"]["attn"]["c_attn"]["kernel"]
+  new = w + u["h_0"]["attn"]["c_attn"]["kernel"]
+  d, hd = w.shape[0], w.shape[0] // 2
+  np.testing.assert_allclose(new[:, :hd], 0.5 * w[:, :hd], rtol=1e-6)
+  np.testing.assert_allclose(new[:, d:d + hd], 0.5 * w[:, d:d + hd],
+                             rtol=1e-6)
+  np.testing.assert_array_equal(new[:, hd:d], w[:, hd:d])
+  np.testing.assert_array_equal(new[:, 2 * d:], w[:, 2 * d:])
+  assert all(float(jnp.abs(x).max()) == 0 for p, x in
+             jax.tree_util.tree_leaves_with_path(u)
+             if "c_attn" not in jax.tree_util.keystr(p))
+  with pytest.raises(ValueError, match="max_logit"):
+    tx.update(zeros, tx.init(params), params)
+
+
+def test_report_sensitivity_and_range():
+  rec = lambda loss, stopped=None: dict(
+      final=dict(val_loss_full=loss), stopped=stopped,
+      history=dict(val_loss=[4.0]))
+  rows = [dict(arm="a", eta=e, seed=s, record=rec(l + 0.01 * s))
+          for s in (0, 1) for e, l in ((1e-3, 2.04), (3e-3, 2.0),
+                                       (1e-2, 2.03), (3e-2, 2.2))]
+  rows.append(dict(arm="a", eta=0.1, seed=0,
+                   record=rec(None, {"diverged_at": 250})))
+  s = report_lib.summary(report_lib.curves(rows)["a"])
+  assert s["best_eta"] == 3e-3 and s["range"] == (1e-3, 1e-2)
+  assert s["diverged"] == 1 and s["runs"] == 9
+  means = [2.045, 2.005, 2.035, 2.205, 4.0]
+  assert s["sensitivity"] == pytest.approx(np.mean(means) - 2.005)
