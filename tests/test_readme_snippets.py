@@ -1,8 +1,11 @@
-"""Every ```python block of README.md runs as written.
+"""Every ```python block of README.md and of the docs/*.md pages runs as
+written.
 
 Each block runs in a fresh namespace (the snippets are self-contained). A
 snippet that builds a TrainState or an nnx.Optimizer must have taken a step,
-and its Q/K frames must have moved while staying orthonormal.
+and its Q/K frames must have moved while staying orthonormal. The docs/*.md
+pages (the long forms of the README's sections, e.g. docs/families.md) are
+held to the same rules, and the README links each of them.
 """
 
 import pathlib
@@ -14,12 +17,24 @@ import pytest
 
 import stiefel_optax as so
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README] + DOC_PAGES
 BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
 
-def python_blocks():
-  return BLOCK.findall(README.read_text(encoding="utf-8"))
+def python_blocks(page=README):
+  return BLOCK.findall(page.read_text(encoding="utf-8"))
+
+
+def _name(page):
+  return page.relative_to(ROOT).as_posix()
+
+
+# (page, index) of every ```python block, README.md first.
+BLOCKS = [(page, index) for page in PAGES
+          for index in range(len(python_blocks(page)))]
 
 
 def _trained(ns):
@@ -53,13 +68,25 @@ def test_readme_has_the_two_one_line_switch_snippets():
   joined = "\n".join(blocks)
   assert "TrainState.create(" in joined and "nnx.Optimizer(" in joined
   assert joined.count("stiefel_optax.stiefel_attention(") >= 2
+  # The switch is two lines, and the heading says so.
+  assert joined.count("stiefel_optax.orthonormalize(") >= 2
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks())))
-def test_readme_python_block_runs(index):
-  source = python_blocks()[index]
+def test_readme_links_every_docs_page():
+  """A section moved out of the README to docs/*.md stays one click away."""
+  text = README.read_text(encoding="utf-8")
+  assert DOC_PAGES, "no docs/*.md page"
+  for page in DOC_PAGES:
+    assert f"({_name(page)}" in text, f"README.md does not link {_name(page)}"
+
+
+@pytest.mark.parametrize(
+    "page,index", BLOCKS,
+    ids=[f"{_name(page)}[{index}]" for page, index in BLOCKS])
+def test_python_block_runs(page, index):
+  source = python_blocks(page)[index]
   ns = {"__name__": "__main__"}
-  exec(compile(source, f"README.md[python block {index}]", "exec"), ns)
+  exec(compile(source, f"{_name(page)}[python block {index}]", "exec"), ns)
   trained = _trained(ns)
   if trained is None:
     return                      # not a training snippet: running it is the test
