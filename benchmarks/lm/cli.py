@@ -65,6 +65,12 @@ def parse_args(argv):
                       " every arm over one grid of base rates, three tuning"
                       " seeds, seed-major, then its report (--quick: the"
                       " same path at toy size, well under a minute)")
+  p.add_argument("--worker", default=None, metavar="I/N",
+                 help="with --robustness: train only this worker's share of"
+                      " the runs (those whose name hashes to I mod N), so"
+                      " that N processes, each on its own core, share the"
+                      " sweep (on 2 cores two single-threaded workers train"
+                      " about 1.5x as many runs per hour as one process)")
   p.add_argument("--probe", type=int, default=0,
                  help="first time this many steps of the first run (not"
                       " saved) and print the projected wall time")
@@ -225,24 +231,47 @@ def train_study(name: str, args, argv, corpus: Corpus, out: pathlib.Path,
   return None
 
 
+def worker_share(spec: Optional[str]):
+  """--worker I/N as a predicate on run names (None: every run)."""
+  if spec is None:
+    return lambda name: True
+  try:
+    i, n = (int(x) for x in spec.split("/"))
+  except ValueError:
+    i, n = -1, 0
+  if not 0 <= i < n:
+    raise SystemExit(f"--worker must be I/N with 0 <= I < N; got {spec!r}.")
+  return lambda name: int(harness.digest(name, 8), 16) % n == i
+
+
 def run_robustness(sweep: robustness.Sweep, corpus: Corpus,
                    out: pathlib.Path, *, command: str = "", log=print,
-                   time_budget: float = 0.0, dry_run: bool = False) -> int:
+                   time_budget: float = 0.0, dry_run: bool = False,
+                   worker: Optional[str] = None) -> int:
   """Runs the sweep's unfinished runs in plan order (the grid extended as
-  the reference's runs come in); stops before a run expected to end past
-  time_budget seconds. Returns the number of runs trained (dry_run: prints
-  how many are left and their expected time, trains none)."""
-  records = harness.RunStore(out).records()
+  the reference's runs come in, the finished runs read anew from `out`
+  before each, so that workers sharing it see each other's); stops before
+  a run expected to end past time_budget seconds. Returns the number of
+  runs trained (dry_run: prints how many are left and their expected
+  time, trains none)."""
+  store, mine = harness.RunStore(out), worker_share(worker)
+  records = store.records()
   done = harness.finished_runs(records, current_version=True)
+
+  def left() -> list:
+    done.update(harness.finished_runs(store.records(), current_version=True))
+    return [t for t in robustness.remaining(sweep, done, corpus.data_id)
+            if mine(robustness.task_name(sweep, t, corpus.data_id))]
+
   # Iteration rates from these runs, else the study's of the same size.
   rates = {**iteration_rates(harness.RunStore(REFERENCE_DIR).records()),
            **iteration_rates(records)}
   if dry_run:
-    left = robustness.remaining(sweep, done, corpus.data_id)
+    todo = left()
     secs = [run_seconds(robustness.sweep_config(sweep, a, e), rates)
-            for a, e, _ in left]
+            for a, e, _ in todo]
     known = [s for s in secs if s is not None]
-    log(f"{len(left)} runs planned left (the grid may still extend);"
+    log(f"{len(todo)} runs planned left (the grid may still extend);"
         f" about {sum(known) / 3600:.1f} h for the {len(known)} of them"
         " with a timed configuration, at full length (a diverged run"
         " stops early)")
@@ -262,8 +291,7 @@ def run_robustness(sweep: robustness.Sweep, corpus: Corpus,
                if why else ""))
 
   return study_lib.run_tasks(
-      lambda: robustness.remaining(sweep, done, corpus.data_id), execute,
-      desc="lm robustness", describe=describe,
+      left, execute, desc="lm robustness", describe=describe,
       expected_s=lambda t: run_seconds(
           robustness.sweep_config(sweep, t[0], t[1]), rates),
       time_budget=time_budget, log=log, progress=False)
@@ -313,7 +341,7 @@ def main(argv=None) -> dict:
                        load_corpus(str(args.data or default_data())), out,
                        command=harness.command_line("benchmarks.lm", argv),
                        log=log, time_budget=args.time_budget,
-                       dry_run=args.dry_run)
+                       dry_run=args.dry_run, worker=args.worker)
         if args.dry_run:
           return {}
       rep = robustness_report(out, study)
