@@ -96,11 +96,35 @@ def test_times_and_ratios_are_positive(quick):
     assert u["auto_ratio"] == pytest.approx(u["auto_ms"] / u["adamw_ms"])
   u = res["update"][0]
   parts = u["profile"]["parts_ms"]
-  assert len(parts) == 8 and all(v > 0 for v in parts.values())
+  assert len(parts) == 9 and all(v > 0 for v in parts.values())
   from benchmarks.speed import update  # pylint: disable=g-import-not-at-top
   floor = parts["adamw, other leaves"] + parts[update.FLOOR]
   assert u["floor_ms"] == pytest.approx(floor)
   assert u["floor_ratio"] == pytest.approx(u["stiefel_ms"] / floor)
+  # The floor comparison, repeated: enough undisturbed measurements (or
+  # the retries spent), each itemized into parts that sum to the update.
+  reps = u["floor_repeats"]
+  ok = [r for r in reps if not r["disturbed"]]
+  assert len(ok) >= update.FLOOR_REPEATS or len(reps) - len(ok) >= (
+      update.FLOOR_RETRIES * update.FLOOR_REPEATS)
+  assert reps[0]["floor_ratio"] == pytest.approx(u["floor_ratio"])
+  for r in reps:
+    assert sum(r["gap_ms"].values()) == pytest.approx(
+        r["floor_ratio"] * r["floor_ms"], rel=1e-6)
+    assert r["gap_ms"]["products"] > 0
+
+
+def test_muon_table_is_well_formed(quick):
+  res, md, _ = quick
+  m = res["muon"]
+  for row in m["rows"] + [m["train_step"]]:
+    ms = row["ms"]
+    assert set(ms) == {"stiefel_muon", "optax muon", "adamw"}
+    assert all(v > 0 for v in ms.values())
+    assert row["over_muon"] == pytest.approx(ms["stiefel_muon"]
+                                             / ms["optax muon"])
+  assert all(min(r["compiled_ops"].values()) > 0 for r in m["rows"])
+  assert "## What a Muon user pays for the constraint" in md
 
 
 def test_qk_state_is_half_of_adamw(quick):
@@ -243,8 +267,11 @@ def test_peer_tiny_run():
   from benchmarks.reports import speed as report  # pylint: disable=g-import-not-at-top
   lines = "\n".join(report.peer_lines({"peer": peer}))
   assert "geoopt / ours" in lines and "geoopt / adamw" in lines
-  assert set(r["compiled_ops"]) == {"ours", "ours_stacked", "ours_auto",
-                                    "adamw"}
+  assert set(r["compiled_ops"]) == {"ours", "ours_default", "ours_stacked",
+                                    "ours_auto", "adamw"}
+  assert r["ratio_default"] == pytest.approx(r["geoopt_ms"]
+                                             / r["ours_default_ms"])
+  assert "geoopt / default" in lines
   assert f"stacked {r['compiled_ops']['ours_stacked']}" in lines
 
 

@@ -35,13 +35,7 @@ def update_lines(res) -> list:
         f"{u['stacked_ratio']:.2f}", _fmt_ms(u["auto_ms"]),
         f"{u['auto_ratio']:.2f}"] for u in res["update"]])
   u = res["update"][0]
-  out += ["", STACK_NOTE,
-          "", f"Against the floor ({u['tree']}: AdamW on the non-Q/K leaves"
-          f" plus the five products, {_fmt_ms(u['floor_ms'])} ms):"
-          f" stiefel_attention {u['floor_ratio']:.3f}x (CPU time"
-          f" {u['floor_cpu_ratio']:.3f}x); stacked"
-          f" {u['stacked_floor_ratio']:.3f}x, auto"
-          f" {u['auto_floor_ratio']:.3f}x."]
+  out += ["", STACK_NOTE, ""] + floor_lines(u)
   prof = u["profile"]
   out += ["", f"## Where the update's time goes ({u['tree']})", ""]
   out += harness.markdown_table(
@@ -50,6 +44,55 @@ def update_lines(res) -> list:
        for k, v in prof["parts_ms"].items()])
   out += ["", f"{prof['frames']} frames of ({prof['d']}, {prof['r']}); the"
           f" floor's products run at {prof['floor_gflops_per_s']:.1f} GFLOP/s."]
+  return out
+
+
+def floor_lines(u) -> list:
+  """The update against its floor: per leaf, with its spread over the
+  repeats and the gap itemized (runs recorded before the per-leaf floor:
+  the one-stack floor as it was reported)."""
+  if "floor_repeats" not in u:
+    return [f"Against the floor ({u['tree']}: AdamW on the non-Q/K leaves"
+            f" plus the five products, {_fmt_ms(u['floor_ms'])} ms):"
+            f" stiefel_attention {u['floor_ratio']:.3f}x (CPU time"
+            f" {u['floor_cpu_ratio']:.3f}x); stacked"
+            f" {u['stacked_floor_ratio']:.3f}x, auto"
+            f" {u['auto_floor_ratio']:.3f}x."]
+  reps = u["floor_repeats"]
+  ok = [r for r in reps if not r["disturbed"]]
+  ratios = sorted(r["floor_ratio"] for r in ok)
+  med = lambda xs: sorted(xs)[len(xs) // 2]
+  out = [f"Against the floor ({u['tree']}): AdamW on the non-Q/K leaves"
+         " plus the five d x r x r products per frame, timed per leaf (the"
+         " layout the update runs), alternated with the update in the same"
+         f" rounds. {len(reps)} measurements, {len(reps) - len(ok)}"
+         " disturbed (AdamW on part of the tree slower than on all of it:"
+         " reported, not used)" + (
+             f"; stiefel_attention / floor {ratios[0]:.2f}x to"
+             f" {ratios[-1]:.2f}x, median {med(ratios):.2f}x over"
+             f" {len(ok)}; / adamw median"
+             f" {med([r['adamw_ratio'] for r in ok]):.2f}x." if ok else
+             "; no undisturbed measurement: no ratio is published.")]
+  if ok:
+    parts = list(ok[0]["gap_ms"])
+    out += ["", "The update's time, itemized (medians over the undisturbed"
+            " measurements, ms):", ""] + harness.markdown_table(
+                ["part", "ms"], "lr",
+                [[k, _fmt_ms(med([r["gap_ms"][k] for r in ok]))]
+                 for k in parts]
+                + [["stiefel_attention (their sum)",
+                    _fmt_ms(med([sum(r["gap_ms"].values()) for r in ok]))]])
+  prof = u["profile"]
+  stacked, per_leaf = (prof["stacked_floor_gflops_per_s"],
+                       prof["floor_gflops_per_s"])
+  out += ["", "Why these figures differ from the older ones: those timed"
+          " the floor's products on one concatenated stack of all"
+          f" {prof['frames']} frames, not per leaf as the update runs them;"
+          f" here the stack runs at {stacked:.0f} GFLOP/s and the leaves at"
+          f" {per_leaf:.0f}, so the stacked floor was "
+          + ("too high and its ratio flattered the update."
+             if stacked < per_leaf else
+             "no higher than the per-leaf one (in this run).")]
   return out
 
 
@@ -157,14 +200,18 @@ def peer_lines(res) -> list:
   out = [PEER_TITLE, ""]
   if p["status"] == "skipped":
     return out + [f"Skipped: {p['message']}."]
+  default = lambda r: ([_fmt_ms(r["ours_default_ms"]),
+                        f"{r['ratio_default']:.2f}"]
+                       if "ours_default_ms" in r else ["-", "-"])
   out += harness.markdown_table(
       ["workload", "leaves x (heads, d, r)", "stiefel_adam ms", "geoopt ms",
-       "geoopt / ours", "ratio of CPU time", "stacked ms", "geoopt / stacked",
+       "geoopt / ours", "ratio of CPU time", "default path ms",
+       "geoopt / default", "stacked ms", "geoopt / stacked",
        "auto ms", "geoopt / auto", "optax.adamw ms", "geoopt / adamw",
-       "isometry error, ours", "isometry error, geoopt"], "llrrrrrrrrrrrr",
+       "isometry error, ours", "isometry error, geoopt"], "llrrrrrrrrrrrrrr",
       [[r["workload"], f"{r['leaves']} x ({', '.join(map(str, r['shape']))})",
         _fmt_ms(r["ours_ms"]), _fmt_ms(r["geoopt_ms"]), f"{r['ratio']:.2f}",
-        f"{r['cpu_ratio']:.2f}", _fmt_ms(r["ours_stacked_ms"]),
+        f"{r['cpu_ratio']:.2f}", *default(r), _fmt_ms(r["ours_stacked_ms"]),
         f"{r['ratio_stacked']:.2f}", _fmt_ms(r["ours_auto_ms"]),
         f"{r['ratio_auto']:.2f}", *_adamw_cells(r),
         f"{r['ours_iso_err']:.1e}",
@@ -175,7 +222,11 @@ def peer_lines(res) -> list:
     r = p["rows"][0]
     out += ["", f"One step each, lr {p['lr']:g}, same float32 frames and"
             " gradients (NumPy, fixed seed): ours one jitted `stiefel_adam`"
-            " update plus `optax.apply_updates` (stacked, auto: the"
+            " update plus `optax.apply_updates` on the frame stacks;"
+            " default path: `stiefel_attention(lr)` with every default"
+            " (frames \"auto\", per leaf) on the same frames as Flax"
+            " query/key kernels (d, heads, r), what a user's one line runs"
+            " (stacked, auto: the"
             " leaves stacked by `frame_partition(..., stack_frames=True"
             " / \"auto\")`), geoopt one"
             " `optimizer.step()` with the gradients set. Medians over"
@@ -208,18 +259,47 @@ def peer_lines(res) -> list:
             " computation's fusions, dots, conditionals and copies, one"
             " dispatched kernel each on CPU; where frames are small the"
             " time follows this count): " + "; ".join(
-                f"{r['workload'].split(':')[0]}: ours {o['ours']}, stacked"
+                f"{r['workload'].split(':')[0]}: ours {o['ours']},"
+                f" default path {o.get('ours_default', '-')}, stacked"
                 f" {o['ours_stacked']}, auto {o['ours_auto']}, optax.adamw"
                 f" {o['adamw']}" for r in counted
                 for o in [r["compiled_ops"]]) + "."]
   return out
 
 
+def muon_lines(res) -> list:
+  m = res["muon"]
+  names = ("stiefel_muon", "optax muon", "adamw")
+  rows = [[r["workload"], f"{r['leaves']} x ({', '.join(map(str, r['shape']))})",
+           *[_fmt_ms(r["ms"][n]) for n in names], f"{r['over_muon']:.2f}",
+           f"{r['over_adamw']:.2f}",
+           " / ".join(str(r["compiled_ops"][n]) for n in names)]
+          for r in m["rows"]]
+  t = m["train_step"]
+  rows.append([f"train step: {t['model']}", f"{t['params'] / 1e6:.2f} M"
+               " params", *[_fmt_ms(t["ms"][n]) for n in names],
+               f"{t['over_muon']:.2f}", f"{t['over_adamw']:.2f}", ""])
+  return ["## What a Muon user pays for the constraint", ""] + (
+      harness.markdown_table(
+          ["workload", "leaves x (heads, d, r)", "stiefel_muon ms",
+           "optax.contrib.muon ms", "optax.adamw ms",
+           "stiefel_muon / muon", "stiefel_muon / adamw",
+           "compiled ops (stiefel_muon / muon / adamw)"], "llrrrrrl", rows)
+      + ["", f"One jitted update plus apply, lr {m['lr']:g}, alternated;"
+         " stiefel_muon: the tangent msign step and the polar retraction"
+         " (`so.stiefel_muon`), optax.contrib.muon: the same per-head"
+         " matrices unconstrained (Nesterov 0.95, consistent RMS 0.2:"
+         " `benchmarks.training.per_head_muon`). Train step: table 3's"
+         " model, Muon on the per-head Q/K views (`stiefel_attention(...,"
+         " stiefel_tx=so.stiefel_muon(lr))` against `frame_partition(muon,"
+         " adamw)`), AdamW on the rest; adamw on everything."])
+
+
 # (key of speed.json, the lines of its section), in the order printed.
 MD_SECTIONS = (("update", update_lines), ("train_step", train_step_lines),
                ("state", state_lines), ("retraction", retraction_lines),
-               ("peer", peer_lines), ("layout", layout_lines),
-               ("gram", gram_lines))
+               ("peer", peer_lines), ("muon", muon_lines),
+               ("layout", layout_lines), ("gram", gram_lines))
 
 
 def markdown(res: Dict[str, Any]) -> str:

@@ -14,7 +14,8 @@ from typing import Any, Dict, Optional, Sequence
 import benchmarks.speed
 from benchmarks import harness
 from benchmarks.reports import speed as report_lib
-from benchmarks.speed import gram, layout, peer, retraction, state, train_step
+from benchmarks.speed import (gram, layout, muon, peer, retraction, state,
+                              train_step)
 from benchmarks.speed import trees, update
 
 ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
@@ -88,6 +89,9 @@ def run(quick: bool = False, out: Optional[str] = None,
   section("peer", lambda: peer.peer_comparison(
       peer_python, peer.PEER_QUICK if quick else peer.PEER_WORKLOADS, iters,
       timeout, peer_threads))
+  section("muon", lambda: muon.muon_table(
+      peer.PEER_QUICK if quick else peer.PEER_WORKLOADS,
+      train_step.LM_QUICK if quick else train_step.LM_FULL, iters))
   if not peer_only:
     section("layout", lambda: layout.layout_comparison(
         *((2, 64, 4, 16) if quick else layout.LAYOUT_WORKLOAD), iters))

@@ -156,6 +156,21 @@ def our_step(lr: float = PEER_LR, stacked=False):
   return tx, jitted_step(tx)
 
 
+def as_kernels(leaves) -> dict:
+  """The workload's (heads, d, r) frame stacks as the default user path
+  sees them: Flax linen query/key kernels (d, heads, r), alternately named
+  query and key, one attention module per pair."""
+  return {f"layer_{i // 2}": {"attn": {("query", "key")[i % 2]: {
+      "kernel": jnp.transpose(w, (1, 0, 2))}}} for i, w in enumerate(leaves)}
+
+
+def default_step(lr: float = PEER_LR):
+  """(tx, step) of the default user path: `stiefel_attention(lr)` with
+  every default (frames "auto", per leaf) on `as_kernels` trees."""
+  tx = so.stiefel_attention(lr)
+  return tx, jitted_step(tx)
+
+
 def jitted_step(tx: optax.GradientTransformation):
   """step(params, state, grads) -> (params, state): one jitted `tx` update
   plus `optax.apply_updates`."""
@@ -217,16 +232,19 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
   # what the per-operation dispatch alone costs for these leaves (the
   # ceiling of geoopt / ours for any optax transform on many small frames).
   adamw = optax.adamw(lr)
+  inputs = {"ours_default": (as_kernels(params), as_kernels(grads))}
   for name, (tx, step) in (("ours", our_step(lr, False)),
+                           ("ours_default", default_step(lr)),
                            ("ours_stacked", our_step(lr, True)),
                            ("ours_auto", our_step(lr, "auto")),
                            ("adamw", (adamw, jitted_step(adamw)))):
-    p, s = params, tx.init(params)
+    p0, g = inputs.get(name, (params, grads))
+    p, s = p0, tx.init(p0)
     for _ in range(warmup):              # compilation, then a warm step
-      p, s = jax.block_until_ready(step(p, s, grads))
-    ours[name] = [tx, step, p, s]
-  ops = {name: compiled_ops(step, p, s, grads)
-         for name, (_, step, p, s) in ours.items()}
+      p, s = jax.block_until_ready(step(p, s, g))
+    ours[name] = [tx, step, p, s, g]
+  ops = {name: compiled_ops(step, p, s, g)
+         for name, (_, step, p, s, g) in ours.items()}
   child.ask(cmd="setup", leaves=w.leaves, shape=list(w.shape), lr=lr,
             seed=PEER_SEED, warmup=warmup)
   times = {"geoopt": [], **{k: [] for k in ours}}
@@ -236,7 +254,7 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
     times["geoopt"].append(peer["wall_s"])
     cpus["geoopt"].append(peer["cpu_s"])
     for name, o in ours.items():
-      (wall, cpu), o[2], o[3] = time_our_steps(o[1], o[2], o[3], grads, w.k)
+      (wall, cpu), o[2], o[3] = time_our_steps(o[1], o[2], o[3], o[4], w.k)
       times[name].append(wall)
       cpus[name].append(cpu)
   t = {k: statistics.median(v) for k, v in times.items()}
@@ -251,6 +269,9 @@ def peer_row(child: PeerChild, w: PeerWorkload, rounds: int,
           "cpu_ratio": c["geoopt"] / c["ours"],
           "cpu_ratio_stacked": c["geoopt"] / c["ours_stacked"],
           "cpu_ratio_auto": c["geoopt"] / c["ours_auto"],
+          "ours_default_ms": 1e3 * t["ours_default"],
+          "ratio_default": t["geoopt"] / t["ours_default"],
+          "cpu_ratio_default": c["geoopt"] / c["ours_default"],
           "ours_stacked_ms": 1e3 * t["ours_stacked"],
           "ratio_stacked": t["geoopt"] / t["ours_stacked"],
           "ours_auto_ms": 1e3 * t["ours_auto"],

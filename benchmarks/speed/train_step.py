@@ -47,6 +47,15 @@ LM_FULL, LM_QUICK = LMConfig(), LMConfig(vocab=64, seq=16, batch=4, d=32,
 def train_step_comparison(cfg: LMConfig, iters: int) -> Dict[str, Any]:
   """One jitted training step of each optimizer on `cfg`'s model and one
   batch of random tokens, alternated."""
+  t, c, n = train_step_times(cfg, iters, arms.optimizers())
+  return {"model": cfg.describe(), "params": n, **arms.versus_adamw(t, c),
+          **arms.stacked_ratios(t)}
+
+
+def train_step_times(cfg: LMConfig, iters: int, optimizers: Dict) -> tuple:
+  """(wall, CPU) medians (s) of one jitted training step of each of
+  `optimizers` ({name: tx}) on `cfg`'s model and one batch of random
+  tokens, alternated, and the model's parameter count."""
   model = cfg.model()
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq + 1)))
@@ -62,7 +71,7 @@ def train_step_comparison(cfg: LMConfig, iters: int) -> Dict[str, Any]:
         logits, batch[:, 1:]).mean()
 
   fns = {}
-  for name, tx in arms.optimizers().items():
+  for name, tx in optimizers.items():
     @jax.jit
     def step(p, s, batch, tx=tx):
       loss, g = jax.value_and_grad(loss_fn)(p, batch)
@@ -73,6 +82,4 @@ def train_step_comparison(cfg: LMConfig, iters: int) -> Dict[str, Any]:
     fns[name] = timing.call(step, p1, s1, tokens)
   c = {}
   t = timing.median_times(fns, iters, cpu=c)
-  return {"model": cfg.describe(),
-          "params": sum(x.size for x in jax.tree.leaves(params)),
-          **arms.versus_adamw(t, c), **arms.stacked_ratios(t)}
+  return t, c, sum(x.size for x in jax.tree.leaves(params))
