@@ -33,7 +33,25 @@ def test_quick_sweep_runs_diverges_resumes_and_reports(tmp_path, capsys):
   printed = capsys.readouterr().out
   sweep = robustness.QUICK_SWEEP
   recs = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+  claims = [r for r in recs if r["seed"] not in sweep.seeds]
+  recs = [r for r in recs if r["seed"] in sweep.seeds]
   assert len(recs) == len(sweep.arms) * len(sweep.grid)
+  # the claims after the sweep: every arm at its best (0.01) and at the
+  # high rate (AdamW's best is its top finishing point: the next, 3), on
+  # every discovery and confirmation seed
+  assert sorted((r["arm"], r["config"]["learning_rate"], r["seed"])
+                for r in claims) == sorted(
+      (a, e, s) for a in sweep.arms for e in sweep.grid
+      for s in (0, 1, 500, 501))
+  order = [line.split("] ")[1].split()[0] for line in printed.splitlines()
+           if line.startswith("[")]
+  # the sweep (tuning seed 100), then discovery, then confirmation seeds
+  stage = lambda n: (lambda s: 0 if s == 100 else 1 if s < 500 else 2)(
+      int(n.split("_seed")[1].split("_")[0]))
+  assert [stage(n) for n in order] == sorted(stage(n) for n in order)
+  assert "### (a) each arm at its own best" in rep["markdown"]
+  assert "### (b) each arm against AdamW at the high rate" in rep["markdown"]
+  assert "Findings: " in rep["markdown"]
   assert not list((out / "runs").glob("*.npz"))
   by = {(r["arm"], r["config"]["learning_rate"]): r for r in recs}
   for arm in sweep.arms:

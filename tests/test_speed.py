@@ -96,7 +96,7 @@ def test_times_and_ratios_are_positive(quick):
     assert u["auto_ratio"] == pytest.approx(u["auto_ms"] / u["adamw_ms"])
   u = res["update"][0]
   parts = u["profile"]["parts_ms"]
-  assert len(parts) == 9 and all(v > 0 for v in parts.values())
+  assert len(parts) == 10 and all(v > 0 for v in parts.values())
   from benchmarks.speed import update  # pylint: disable=g-import-not-at-top
   floor = parts["adamw, other leaves"] + parts[update.FLOOR]
   assert u["floor_ms"] == pytest.approx(floor)

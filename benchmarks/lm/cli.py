@@ -309,6 +309,7 @@ def robustness_report(out: pathlib.Path, name: str) -> dict:
       plan="benchmarks/results/lm/robustness_plan.md",
       grid=robustness.grid(sweep, done, data_id), seeds=sweep.seeds,
       left=len(robustness.remaining(sweep, done, data_id)),
+      claims=robustness.claim_runs(sweep, done, data_id),
       heading=ROBUSTNESS_SECTION, setting=(
           f"nanoGPT's {'toy' if name == 'quick' else 'CPU'} configuration"
           f" ({cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head} heads,"

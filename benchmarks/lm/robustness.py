@@ -20,6 +20,7 @@ from typing import Mapping, Optional
 from benchmarks import harness
 from benchmarks.lm.config import CPU, QUICK, Config, run_name
 from benchmarks.lm.study import point_config
+from benchmarks.reports import robustness as report_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,9 @@ class Sweep:
   cap_ratio: float
   seeds: tuple
   base: Config
+  claim_seeds: Mapping = dataclasses.field(default_factory=lambda: {
+      "discovery": harness.DISCOVERY_SEEDS[:8],
+      "confirmation": harness.CONFIRMATION_SEEDS[:8]})
 
 
 # The study's choices against adamw's lr 1e-2 (results/lm/results.json
@@ -55,6 +59,7 @@ SWEEP = Sweep(
 QUICK_SWEEP = Sweep(
     arms=("adamw", "stiefel", "qk_clip"), grid=(1e-2, 3.0),
     extension=(30.0,), ratios=RATIOS, cap_ratio=0.3, seeds=(100,),
+    claim_seeds={"discovery": (0, 1), "confirmation": (500, 501)},
     base=dataclasses.replace(QUICK, n_layer=1, n_embd=8, block_size=8,
                              max_iters=20, lr_decay_iters=20,
                              eval_interval=10, eval_iters=2))
@@ -101,8 +106,73 @@ def tasks(sweep: Sweep, done: Mapping, data_id: str) -> list:
 
 
 def remaining(sweep: Sweep, done: Mapping, data_id: str) -> list:
-  return [t for t in tasks(sweep, done, data_id)
+  """The sweep's unfinished runs; once it is complete, the claims'
+  (`claim_tasks`)."""
+  left = [t for t in tasks(sweep, done, data_id)
           if not finished(done.get(task_name(sweep, t, data_id)))]
+  if left:
+    return left
+  return [t for t in claim_tasks(sweep, claim_plan(sweep, done, data_id))
+          if not finished(done.get(task_name(sweep, t, data_id)))]
+
+
+def eta_high(curve: Mapping) -> float:
+  """The plan's high rate, from AdamW's curve ({eta: point}): two grid
+  points (a decade) above its best, capped at the highest point where it
+  finished on at least one tuning seed; if that is its best, the next
+  point up.
+
+  >>> p = lambda d: dict(mean=0.0, losses=[0, 0], diverged=[0] * d)
+  >>> c = {1e-3: p(0), 1e-2: p(0), 0.1: p(1), 1.0: p(2)}
+  >>> c[1e-3]["mean"] = -1                # best at 1e-3: 0.1, two up
+  >>> eta_high(c), eta_high({**c, 0.1: p(2)})   # capped: 1e-2
+  (0.1, 0.01)
+  """
+  pts = sorted(curve)
+  best = pts.index(report_lib.summary(
+      {e: curve[e] for e in pts})["best_eta"])
+  top = max(i for i, e in enumerate(pts)
+            if len(curve[e]["diverged"]) < len(curve[e]["losses"]))
+  high = min(best + 2, top)
+  return pts[min(high if high > best else best + 1, len(pts) - 1)]
+
+
+def claim_plan(sweep: Sweep, done: Mapping, data_id: str) -> dict:
+  """{"best": {arm: its best sweep eta}, "high": eta_high} on the tuning
+  seeds (the sweep complete)."""
+  cs = report_lib.curves(sweep_runs(sweep, done, data_id))
+  return dict(best={a: report_lib.summary(cs[a])["best_eta"]
+                    for a in sweep.arms},
+              high=eta_high(cs[sweep.arms[0]]))
+
+
+def claim_tasks(sweep: Sweep, plan: Mapping) -> list:
+  """The claims' runs, (arm, eta, seed): every arm at its best and at the
+  high rate, every discovery seed before any confirmation seed."""
+  out = []
+  for stage in ("discovery", "confirmation"):
+    for seed in sweep.claim_seeds[stage]:
+      for arm in sweep.arms:
+        for eta in (plan["best"][arm], plan["high"]):
+          if (arm, eta, seed) not in out:
+            out.append((arm, eta, seed))
+  return out
+
+
+def claim_runs(sweep: Sweep, done: Mapping, data_id: str) -> dict:
+  """{"plan": claim_plan, stage: rows {arm, eta, seed, record}} of the
+  claims' finished runs; {} while the sweep is not complete."""
+  if [t for t in tasks(sweep, done, data_id)
+      if not finished(done.get(task_name(sweep, t, data_id)))]:
+    return {}
+  plan = claim_plan(sweep, done, data_id)
+  out = {"plan": plan, "discovery": [], "confirmation": []}
+  for t in claim_tasks(sweep, plan):
+    rec = done.get(task_name(sweep, t, data_id))
+    if finished(rec):
+      out[harness.seed_block(t[2])].append(
+          dict(arm=t[0], eta=t[1], seed=t[2], record=rec))
+  return out
 
 
 def task_name(sweep: Sweep, task: tuple, data_id: str) -> str:

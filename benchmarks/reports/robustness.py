@@ -35,7 +35,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from benchmarks import harness
+from benchmarks import harness, stats
 
 WITHIN = 0.05   # the range of rates within this much of an arm's best
 
@@ -199,6 +199,55 @@ def step_table(rows: Sequence[Mapping], arms: Sequence[str]) -> list:
        "mean frame step ||W+ - W||_F"], "lrrr", out)
 
 
+CLAIMS = {"best": "(a) each arm at its own best sweep point against AdamW"
+                   " at its own best",
+          "high": "(b) each arm against AdamW at the high rate"}
+
+
+def claim_rows(rows: Sequence[Mapping], plan: Mapping, which: str,
+               arms: Sequence[str], reference: str = "adamw") -> list:
+  """A claims table (`stats.comparison_rows`, Holm across it): each arm
+  against the reference, both at their best sweep points (which="best")
+  or both at plan["high"]; the capped final loss, paired by seed."""
+  eta = lambda a: plan["best"][a] if which == "best" else plan["high"]
+  score = lambda c, role: {
+      r["seed"]: capped_loss(r["record"]) for r in rows
+      if r["arm"] == c[role] and r["eta"] == eta(c[role])}
+  pairs = [dict(treatment=a, baseline=reference, eta=eta(a),
+                baseline_eta=eta(reference)) for a in arms if a != reference]
+  return stats.comparison_rows(pairs, score, lower_is_better=True)
+
+
+def claim_lines(claims: Mapping, arms: Sequence[str]) -> list:
+  """Both claims tables on discovery and confirmation seeds, and the
+  findings by the claims policy."""
+  plan = claims["plan"]
+  out = ["## Claims (the plan's tables (a) and (b))", "",
+         "Best sweep points (tuning seeds): " + ", ".join(
+             f"{a} {fmt_eta(e)}" for a, e in plan["best"].items())
+         + f"; the high rate: eta {fmt_eta(plan['high'])}. Loss: the"
+         " capped final whole-split validation loss; difference: treatment"
+         " - adamw (negative: the treatment is better); wins: seeds where"
+         " it is lower.", ""]
+  for which, title in CLAIMS.items():
+    tables = {st: claim_rows(claims[st], plan, which, arms)
+              for st in ("discovery", "confirmation")}
+    out += [f"### {title}", ""]
+    for st, rows in tables.items():
+      out += [f"{st.capitalize()} seeds:", ""]
+      out += (harness.comparison_lines(rows, "loss", digits=4)
+              if rows else ["Not run yet."]) + [""]
+    found = stats.confirmed(tables["discovery"], tables["confirmation"],
+                            arms=arms)
+    complete = stats.confirmation_complete(
+        tables["discovery"], tables["confirmation"], arms=arms)
+    out += ["Findings: " + ("; ".join(
+        harness.finding_text(r, "", digits=4) for r in found) or "none")
+            + ("." if complete else " (confirmation not complete: none"
+               " can be read yet)."), ""]
+  return out
+
+
 def plot_curves(cs: Mapping, path: pathlib.Path, title: str) -> None:
   plt = harness.pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -241,16 +290,20 @@ def plot_logits(rows: Sequence[Mapping], arms: Sequence[str],
 
 def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
            grid: Sequence[float], seeds: Sequence[int], left: int,
-           reference: str = "adamw", heading: str, setting: str) -> dict:
+           reference: str = "adamw", heading: str, setting: str,
+           claims: Optional[Mapping] = None) -> dict:
   """Writes out/robustness.md with its two plots; returns {markdown,
-  curves}. left: the planned runs not yet finished."""
+  curves}. left: the planned runs not yet finished; claims: the claims'
+  runs by stage with their plan (none before the sweep is complete)."""
   cs = curves(rows)
   lines = [heading, "", setting, "",
            f"Plan (fixed before any run): `{plan}`. Grid of eta:"
            f" {', '.join(fmt_eta(e) for e in grid)}; tuning seeds"
-           f" {harness.format_seeds(seeds)}; {len(rows)} runs finished,"
-           f" {left} planned left" + (" (a partial sweep: curves may miss"
-                                      " seeds)." if left else "."), ""]
+           f" {harness.format_seeds(seeds)}; {len(rows)} sweep runs"
+           f" finished, {left} planned runs left"
+           + (" (the claims' runs)." if claims else
+              " (a partial sweep: curves may miss seeds)." if left else "."),
+           ""]
   if not cs:
     lines.append("No finished run yet.")
   else:
@@ -277,6 +330,8 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
       lines += ["Where the Stiefel arms' step comes from (means over all"
                 " steps and tuning seeds):", ""]
       lines += step_table(rows, stiefel) + [""]
+  if claims:
+    lines += claim_lines(claims, list(cs))
   text = "\n".join(lines).rstrip("\n") + "\n"
   harness.write_text(out / "robustness.md", text)
   return dict(markdown=text, curves=cs)
