@@ -12,13 +12,13 @@ from benchmarks.cifar_patches import config as cifar_config
 from benchmarks.lm import (arms as lm_arms, config as lm_config,
                            robustness as lm_robustness, study as lm_study)
 from benchmarks.reports import cifar as cifar_report, robustness
-from benchmarks.speed import arms, cli, layout, timing, trees
+from benchmarks.speed import arms, cli, layout, peer, timing, trees
 
 
 @pytest.mark.parametrize(
     "module", [harness, models, stats, study, training, cifar_config,
                lm_arms, lm_config, lm_robustness, lm_study, cifar_report,
-               robustness, arms, cli, layout, timing, trees],
+               robustness, arms, cli, layout, peer, timing, trees],
     ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

@@ -159,9 +159,20 @@ def our_step(lr: float = PEER_LR, stacked=False):
 def as_kernels(leaves) -> dict:
   """The workload's (heads, d, r) frame stacks as the default user path
   sees them: Flax linen query/key kernels (d, heads, r), alternately named
-  query and key, one attention module per pair."""
-  return {f"layer_{i // 2}": {"attn": {("query", "key")[i % 2]: {
-      "kernel": jnp.transpose(w, (1, 0, 2))}}} for i, w in enumerate(leaves)}
+  query and key, one attention module per pair.
+
+  >>> import jax.numpy as jnp
+  >>> t = as_kernels([jnp.zeros((2, 8, 4))] * 3)
+  >>> jax.tree.map(lambda x: x.shape, t)["layer_0"]["attn"]["key"]
+  {'kernel': (8, 2, 4)}
+  >>> len(jax.tree.leaves(t))
+  3
+  """
+  tree: dict = {}
+  for i, w in enumerate(leaves):
+    attn = tree.setdefault(f"layer_{i // 2}", {}).setdefault("attn", {})
+    attn[("query", "key")[i % 2]] = {"kernel": jnp.transpose(w, (1, 0, 2))}
+  return tree
 
 
 def default_step(lr: float = PEER_LR):
