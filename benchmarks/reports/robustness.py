@@ -98,6 +98,14 @@ def adamw_points(curve: Mapping) -> tuple:
   return best, max(fin) if fin else best
 
 
+def layer_max(v):
+  """A per-layer record's max over its finite layers (None: none finite)."""
+  if not isinstance(v, list):
+    return v
+  finite = [x for x in v if x is not None]
+  return max(finite) if finite else None
+
+
 def history_of(rows: Sequence[Mapping], arm: str, eta: float,
                key: str) -> list:
   """[(seed, steps, values)] of the arm's runs at eta for a history key
@@ -106,8 +114,7 @@ def history_of(rows: Sequence[Mapping], arm: str, eta: float,
   for r in rows:
     if r["arm"] == arm and r["eta"] == eta:
       h = r["record"]["history"]
-      vals = [max(v) if isinstance(v, list) else v
-              for v in h.get(key, [None] * len(h["step"]))]
+      vals = [layer_max(v) for v in h.get(key, [None] * len(h["step"]))]
       out.append((r["seed"], h["step"], vals))
   return out
 
