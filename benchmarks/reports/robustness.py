@@ -203,7 +203,7 @@ def step_table(rows: Sequence[Mapping], arms: Sequence[str]) -> list:
                   "" if norm is None else f"{norm:.3g}"])
   return harness.markdown_table(
       ["arm", "eta", "cap binds (fraction of frame-steps)",
-       "mean frame step ||W+ - W||_F"], "lrrr", out)
+       "mean frame step (Frobenius norm of W+ - W)"], "lrrr", out)
 
 
 CLAIMS = {"best": "(a) each arm at its own best sweep point against AdamW"
