@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import os
 import pathlib
 import sys
 import time
@@ -297,8 +298,10 @@ def run_robustness(sweep: robustness.Sweep, corpus: Corpus,
       time_budget=time_budget, log=log, progress=False)
 
 
-def robustness_report(out: pathlib.Path, name: str) -> dict:
-  """`benchmarks.reports.robustness.report` of out's runs of the sweep."""
+def robustness_report(out: pathlib.Path, name: str,
+                      results_md: Optional[pathlib.Path] = None) -> dict:
+  """`benchmarks.reports.robustness.report` of out's runs of the sweep
+  (its plots linked from results_md's folder in the section)."""
   sweep = robustness.SWEEPS[name]
   done = harness.finished_runs(harness.RunStore(out).records(),
                                current_version=False)
@@ -310,6 +313,9 @@ def robustness_report(out: pathlib.Path, name: str) -> dict:
       grid=robustness.grid(sweep, done, data_id), seeds=sweep.seeds,
       left=len(robustness.remaining(sweep, done, data_id)),
       claims=robustness.claim_runs(sweep, done, data_id),
+      figures="" if results_md is None else pathlib.Path(os.path.relpath(
+          out.resolve(), pathlib.Path(results_md).resolve().parent
+      )).as_posix() + "/",
       heading=ROBUSTNESS_SECTION, setting=(
           f"nanoGPT's {'toy' if name == 'quick' else 'CPU'} configuration"
           f" ({cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head} heads,"
@@ -345,10 +351,10 @@ def main(argv=None) -> dict:
                        dry_run=args.dry_run, worker=args.worker)
         if args.dry_run:
           return {}
-      rep = robustness_report(out, study)
+      rep = robustness_report(out, study, args.results_md)
       if args.results_md:
         harness.write_section(args.results_md, ROBUSTNESS_SECTION,
-                              rep["markdown"])
+                              rep["section"])
       log(rep["markdown"])
       return rep
     if not args.report_only:

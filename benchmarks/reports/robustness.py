@@ -298,10 +298,12 @@ def plot_logits(rows: Sequence[Mapping], arms: Sequence[str],
 def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
            grid: Sequence[float], seeds: Sequence[int], left: int,
            reference: str = "adamw", heading: str, setting: str,
-           claims: Optional[Mapping] = None) -> dict:
+           claims: Optional[Mapping] = None, figures: str = "") -> dict:
   """Writes out/robustness.md with its two plots; returns {markdown,
-  curves}. left: the planned runs not yet finished; claims: the claims'
-  runs by stage with their plan (none before the sweep is complete)."""
+  section, curves}: section is the markdown with the plots' links prefixed
+  by `figures` (the folder as the RESULTS.md that holds it sees it).
+  left: the planned runs not yet finished; claims: the claims' runs by
+  stage with their plan (none before the sweep is complete)."""
   cs = curves(rows)
   lines = [heading, "", setting, "",
            f"Plan (fixed before any run): `{plan}`. Grid of eta:"
@@ -315,7 +317,7 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
     lines.append("No finished run yet.")
   else:
     plot_curves(cs, out / "robustness.png", "LM: final loss against eta")
-    lines += ["![loss against eta](robustness.png)", "",
+    lines += ["![loss against eta](FIGURES/robustness.png)", "",
               "Mean capped final whole-split validation loss (n d/k: n of k"
               " tuning seeds diverged, counted at their initial loss):", ""]
     lines += curve_table(cs) + [""]
@@ -330,7 +332,8 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
                 f" highest eta where it finishes on every seed (the"
                 f" bound ||x_i|| ||x_j|| / sqrt(head_dim) holds for"
                 f" orthonormal frames only):", "",
-                "![max logit against step](robustness_logits.png)", ""]
+                "![max logit against step](FIGURES/robustness_logits.png)",
+                ""]
       lines += logit_table(rows, cs, pts) + [""]
     stiefel = [a for a in cs if a in ("stiefel", "rsgd", "stiefel_muon")]
     if stiefel:
@@ -340,5 +343,6 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
   if claims:
     lines += claim_lines(claims, list(cs))
   text = "\n".join(lines).rstrip("\n") + "\n"
-  harness.write_text(out / "robustness.md", text)
-  return dict(markdown=text, curves=cs)
+  link = lambda prefix: text.replace("](FIGURES/", f"]({prefix}")
+  harness.write_text(out / "robustness.md", link(""))
+  return dict(markdown=link(""), section=link(figures), curves=cs)
