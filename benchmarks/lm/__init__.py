@@ -22,6 +22,14 @@ Stiefel attention optimizer and its alternatives as arms.
     python -m benchmarks.lm --study --quick  # the study's path at toy size
     python -m benchmarks.lm --study --report-only --out benchmarks/results/lm
                                              # the study's tables, from the runs
+    python -m benchmarks.lm --robustness --out benchmarks/results/lm_robustness \
+        --results-md benchmarks/RESULTS.md   # the learning-rate sweep (issue
+                                             # 30), then its claims; resumable
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
+        taskset -c 0 python -m benchmarks.lm --robustness --worker 0/2 \
+        --out benchmarks/results/lm_robustness   # one of two single-threaded
+                                             # workers (the other: -c 1, 1/2)
+    python -m benchmarks.lm --robustness --quick   # its path at toy size
 
 Model (`benchmarks.models.GPT`): nanoGPT's `model.py` with its
 `train_shakespeare_char` settings: token and learned position embeddings,
