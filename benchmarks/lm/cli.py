@@ -257,7 +257,7 @@ def run_robustness(sweep: robustness.Sweep, corpus: Corpus,
   time, trains none)."""
   store, mine = harness.RunStore(out), worker_share(worker)
   records = store.records()
-  done = harness.finished_runs(records, current_version=True)
+  done: dict = {}     # read from `out` by every left()
 
   def left() -> list:
     done.update(harness.finished_runs(store.records(), current_version=True))

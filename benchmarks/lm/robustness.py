@@ -105,15 +105,22 @@ def tasks(sweep: Sweep, done: Mapping, data_id: str) -> list:
           for eta in points]
 
 
+def unfinished(sweep: Sweep, planned: list, done: Mapping,
+               data_id: str) -> list:
+  """The tasks of `planned` without a finished run in `done`."""
+  return [t for t in planned
+          if not finished(done.get(task_name(sweep, t, data_id)))]
+
+
 def remaining(sweep: Sweep, done: Mapping, data_id: str) -> list:
   """The sweep's unfinished runs; once it is complete, the claims'
   (`claim_tasks`)."""
-  left = [t for t in tasks(sweep, done, data_id)
-          if not finished(done.get(task_name(sweep, t, data_id)))]
+  left = unfinished(sweep, tasks(sweep, done, data_id), done, data_id)
   if left:
     return left
-  return [t for t in claim_tasks(sweep, claim_plan(sweep, done, data_id))
-          if not finished(done.get(task_name(sweep, t, data_id)))]
+  return unfinished(sweep, claim_tasks(sweep, claim_plan(sweep, done,
+                                                          data_id)),
+                    done, data_id)
 
 
 def eta_high(curve: Mapping) -> float:
@@ -162,8 +169,7 @@ def claim_tasks(sweep: Sweep, plan: Mapping) -> list:
 def claim_runs(sweep: Sweep, done: Mapping, data_id: str) -> dict:
   """{"plan": claim_plan, stage: rows {arm, eta, seed, record}} of the
   claims' finished runs; {} while the sweep is not complete."""
-  if [t for t in tasks(sweep, done, data_id)
-      if not finished(done.get(task_name(sweep, t, data_id)))]:
+  if unfinished(sweep, tasks(sweep, done, data_id), done, data_id):
     return {}
   plan = claim_plan(sweep, done, data_id)
   out = {"plan": plan, "discovery": [], "confirmation": []}

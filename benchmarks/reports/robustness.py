@@ -179,14 +179,13 @@ def logit_table(rows: Sequence[Mapping], cs: Mapping,
     for arm in cs:
       logit = history_of(rows, arm, eta, "max_logit")
       bound = history_of(rows, arm, eta, "logit_bound")
-      if not logit or any(v is None for _, _, vs in logit for v in vs[:1]):
+      # runs made before the logit records have None at every evaluation
+      if not logit or any(vs[0] is None for _, _, vs in logit):
         continue
-      last = np.mean([next(v for v in reversed(vs) if v is not None)
-                      for _, _, vs in logit])
-      peak = np.mean([max(v for v in vs if v is not None)
-                      for _, _, vs in logit])
-      b = np.mean([next(v for v in reversed(vs) if v is not None)
-                   for _, _, vs in bound])
+      finite = lambda vs: [v for v in vs if v is not None]
+      last = np.mean([finite(vs)[-1] for _, _, vs in logit])
+      peak = np.mean([max(finite(vs)) for _, _, vs in logit])
+      b = np.mean([finite(vs)[-1] for _, _, vs in bound])
       out.append([fmt_eta(eta), arm, f"{last:.2f}", f"{peak:.2f}",
                   f"{b:.2f}"])
   return harness.markdown_table(
