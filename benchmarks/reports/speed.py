@@ -7,6 +7,7 @@ each section rendered only if the results hold it.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any, Dict
 
 import stiefel_optax as so
@@ -61,7 +62,7 @@ def floor_lines(u) -> list:
   reps = u["floor_repeats"]
   ok = [r for r in reps if not r["disturbed"]]
   ratios = sorted(r["floor_ratio"] for r in ok)
-  med = lambda xs: sorted(xs)[len(xs) // 2]
+  med = statistics.median
   out = [f"Against the floor ({u['tree']}): AdamW on the non-Q/K leaves"
          " plus the five d x r x r products per frame, timed per leaf (the"
          " layout the update runs), alternated with the update in the same"
