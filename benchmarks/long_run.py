@@ -139,7 +139,7 @@ def long_run(steps: int = 5_000, *, chunk: int = 1_000, dtype="float32",
   teacher = init_params(key_t, d, heads, head_dim, orthonormal=False)
   params = init_params(key_s, d, heads, head_dim, dtype)
   if euclidean_dtype is not None:
-    frames = so.selected(params)
+    frames = so.selected_frames(params)
     params = jax.tree_util.tree_map_with_path(
         lambda p, w: w if so.path_str(p) in frames else
         w.astype(euclidean_dtype), params)

@@ -6,8 +6,7 @@ and a polar retraction; everything else keeps AdamW.
 """
 
 from stiefel_optax.geometry import (
-    isometry_error, newton_schulz_steps, polar, project_tangent,
-    random_frames, retract, sym)
+    isometry_error, newton_schulz_steps, polar, random_frames, retract)
 from stiefel_optax.transforms import (
     ScaleByFrameAdamState, check_orthonormal_start, clip_frame_norm,
     project_to_tangent, retract_polar, scale_by_frame_adam, tangent_sq_norm)
@@ -17,8 +16,9 @@ from stiefel_optax.muon import (
     tangent_msign)
 from stiefel_optax.specs import (
     PRESETS, FrameSpec, equinox_specs, frame_specs, fused_qkv, haiku_mha,
-    path_str, selected)
-from stiefel_optax.views import from_frames, map_frames, merge, split, to_frames
+    path_str, selected_frames)
+from stiefel_optax.views import (
+    from_frames, map_frames, merge_frames, split_frames, to_frames)
 from stiefel_optax.partition import FramePartitionState, frame_partition
 from stiefel_optax.sharding import frame_view_spec, state_shardings
 from stiefel_optax.attention import stiefel_attention
@@ -54,10 +54,10 @@ __all__ = [
     # Partition of a parameter tree.
     "frame_partition", "FramePartitionState",
     # Frame selection.
-    "FrameSpec", "PRESETS", "frame_specs", "selected", "fused_qkv",
+    "FrameSpec", "PRESETS", "frame_specs", "selected_frames", "fused_qkv",
     "haiku_mha", "equinox_specs", "path_str",
     # Frame views.
-    "split", "merge", "to_frames", "from_frames", "map_frames",
+    "split_frames", "merge_frames", "to_frames", "from_frames", "map_frames",
     # Optimizer-state shardings.
     "state_shardings", "frame_view_spec",
     # Orthonormal starts.
@@ -66,7 +66,7 @@ __all__ = [
     "check_frames", "frame_isometry_errors", "max_isometry_error",
     "frame_movement",
     # Geometry.
-    "sym", "project_tangent", "tangent_sq_norm", "isometry_error",
+    "tangent_sq_norm", "isometry_error",
     "random_frames", "polar", "retract", "newton_schulz_steps", "msign",
     "tangent_msign",
     # Versions.

@@ -96,7 +96,7 @@ def sym(a: jax.Array) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp, stiefel_optax as so
-    >>> so.sym(jnp.array([[0.0, 2.0], [0.0, 0.0]]))
+    >>> so.geometry.sym(jnp.array([[0.0, 2.0], [0.0, 0.0]]))
     Array([[0., 1.],
            [1., 0.]], dtype=float32)
   """
@@ -176,7 +176,7 @@ def project_tangent(w: jax.Array, g: jax.Array) -> jax.Array:
   Example:
     >>> import jax, jax.numpy as jnp, stiefel_optax as so
     >>> w = so.random_frames(jax.random.key(0), (8, 3))
-    >>> xi = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+    >>> xi = so.geometry.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
     >>> bool(jnp.abs(w.T @ xi + xi.T @ w).max() < 1e-5)
     True
   """
@@ -796,7 +796,7 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
   Example:
     >>> import jax, stiefel_optax as so
     >>> w = so.random_frames(jax.random.key(0), (8, 3))
-    >>> xi = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+    >>> xi = so.geometry.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
     >>> bool(so.isometry_error(so.retract(w, 0.1 * xi)) < 1e-5)
     True
   """

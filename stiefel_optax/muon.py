@@ -165,7 +165,7 @@ def tangent_msign(w: jax.Array, m: jax.Array,
   Example:
     >>> import jax, jax.numpy as jnp, stiefel_optax as so
     >>> w = so.random_frames(jax.random.key(0), (8, 3))
-    >>> d = so.tangent_msign(w, so.project_tangent(
+    >>> d = so.tangent_msign(w, so.geometry.project_tangent(
     ...     w, jax.random.normal(jax.random.key(1), (8, 3))))
     >>> bool(jnp.abs(w.T @ d + d.T @ w).max() < 1e-5)
     True
@@ -241,7 +241,7 @@ def scale_by_tangent_msign(b1: float = 0.95, nesterov: bool = True, *,
     >>> import jax, jax.numpy as jnp, stiefel_optax as so
     >>> w = so.random_frames(jax.random.key(0), (8, 3))
     >>> tx = so.scale_by_tangent_msign()
-    >>> g = so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+    >>> g = so.geometry.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
     >>> d, _ = tx.update(g, tx.init(w), w)
     >>> bool(1.0 - 1e-4 <= float(jnp.linalg.norm(d, 2)) <= 1.155)   # ||D||_2
     True

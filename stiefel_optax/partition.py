@@ -98,7 +98,7 @@ def _groups(tree, items):
       frames.append(masked)
       rest.append(x)
       continue
-    view, other = views.split(x, spec, path)
+    view, other = views.split_frames(x, spec, path)
     frames.append(view)
     rest.append(masked if other is None else other)
   treedef = jax.tree.structure(tree)
@@ -316,7 +316,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
       if spec is None:
         out.append(r)
       else:
-        out.append(views.merge(f, None if _masked(r) else r, spec, x.shape))
+        out.append(views.merge_frames(f, None if _masked(r) else r, spec, x.shape))
     return (jax.tree.structure(updates).unflatten(out),
             FramePartitionState(s_state, e_state))
 

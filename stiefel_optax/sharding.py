@@ -95,7 +95,7 @@ def view_entries(spec: FrameSpec, shape, entries, mesh_shape=None,
   `shape` whose axes are sharded by `entries` (one PartitionSpec entry per
   axis).
 
-  The view (`views.split`) is (take?, batch..., [heads,] d, r): the taken
+  The view (`views.split_frames`) is (take?, batch..., [heads,] d, r): the taken
   parts (never sharded), the batch axes (each its kernel axis's entry), the
   heads (the column axes' entry where the shard count divides the heads, or
   always where `mesh_shape` is None), d (the row axes') and r (the column
@@ -168,7 +168,7 @@ def frame_view_spec(spec: FrameSpec, shape, sharding, *, name: str = "leaf"):
 
   Maps the sharding of a leaf of `shape` (a `NamedSharding`, or a
   `PartitionSpec` of mesh or logical axis names) to that of its frame view
-  (batch..., d, r) under `spec`, as `views.split` lays it out, and to that of
+  (batch..., d, r) under `spec`, as `views.split_frames` lays it out, and to that of
   the parts that are not frames (None where every part is a frame). Each
   view axis takes the sharding of the kernel axis it comes from; a split
   axis keeps it only where it stays one block per device (module

@@ -313,7 +313,7 @@ def haiku_mha(num_heads: int, module: Optional[str] = None) -> dict:
   Example:
     >>> import jax.numpy as jnp, stiefel_optax as so
     >>> params = {"mha/query": {"w": jnp.zeros((16, 16)), "b": jnp.zeros(16)}}
-    >>> so.selected(params, so.haiku_mha(num_heads=2))
+    >>> so.selected_frames(params, so.haiku_mha(num_heads=2))
     {'mha/query/w': FrameSpec(rows=-2, cols=-1, heads=2)}
   """
   spec = FrameSpec(rows=-2, cols=-1, heads=num_heads)
@@ -668,7 +668,7 @@ def frame_specs(params, frames: Selector = None) -> list:
   return out
 
 
-def selected(params, frames: Selector = None) -> dict:
+def selected_frames(params, frames: Selector = None) -> dict:
   """The leaves `frames` selects: what a user checks before training.
 
   Args:
@@ -686,7 +686,7 @@ def selected(params, frames: Selector = None) -> dict:
     >>> from stiefel_optax import selected
     >>> tree = {"attn": {"query": {"kernel": jnp.zeros((8, 2, 4))},
     ...                  "value": {"kernel": jnp.zeros((8, 2, 4))}}}
-    >>> selected(tree)
+    >>> selected_frames(tree)
     {'attn/query/kernel': FrameSpec(rows=-3, cols=-1)}
   """
   return {p: s for p, _, s in frame_specs(params, frames) if s is not None}

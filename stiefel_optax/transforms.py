@@ -309,7 +309,7 @@ def tangent_sq_norm(w: jax.Array, g: jax.Array, a: jax.Array) -> jax.Array:
     >>> import jax, jax.numpy as jnp, stiefel_optax as so
     >>> w = so.random_frames(jax.random.key(0), (8, 3))
     >>> g = jax.random.normal(jax.random.key(1), (8, 3))
-    >>> exact = jnp.sum(so.project_tangent(w, g) ** 2)
+    >>> exact = jnp.sum(so.geometry.project_tangent(w, g) ** 2)
     >>> bool(jnp.allclose(so.tangent_sq_norm(w, g, w.T @ g), exact, rtol=1e-5))
     True
   """
@@ -385,7 +385,7 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   Example:
     >>> import jax, jax.numpy as jnp, stiefel_optax as so
     >>> w = so.random_frames(jax.random.key(0), (2, 8, 3))
-    >>> g = so.project_tangent(w, jax.random.normal(jax.random.key(1), w.shape))
+    >>> g = so.geometry.project_tangent(w, jax.random.normal(jax.random.key(1), w.shape))
     >>> tx = so.scale_by_frame_adam()
     >>> state = tx.init(w)
     >>> u, state = tx.update(g, state, w)
@@ -584,7 +584,7 @@ def retract_polar(method: str = "newton_schulz", *,
   Example:
     >>> import jax, optax, stiefel_optax as so
     >>> w = so.random_frames(jax.random.key(0), (8, 3))
-    >>> xi = 0.3 * so.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
+    >>> xi = 0.3 * so.geometry.project_tangent(w, jax.random.normal(jax.random.key(1), (8, 3)))
     >>> tx = so.retract_polar()
     >>> u, _ = tx.update(xi, tx.init(w), w)
     >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)

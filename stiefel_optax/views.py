@@ -4,8 +4,8 @@ back.
 One pair of maps is the single mechanism by which every transform and helper
 sees kernels as frames::
 
-    split(x, spec)          -> (frames (batch..., d, r), rest or None)
-    merge(frames, rest, spec, shape) -> the leaf
+    split_frames(x, spec)          -> (frames (batch..., d, r), rest or None)
+    merge_frames(frames, rest, spec, shape) -> the leaf
 
 `rest` holds the parts of a fused leaf that are not frames, in the leaf's own
 axis order (only the part axis is shorter), so the Euclidean transform
@@ -64,7 +64,7 @@ def _frame_perm(spec: FrameSpec, ndim: int, name: str):
   return (0,) + shift(batch) + shift(rows) + shift(cols)
 
 
-def split(x: jax.Array, spec: FrameSpec, name: str = "leaf"):
+def split_frames(x: jax.Array, spec: FrameSpec, name: str = "leaf"):
   """(frames, rest): the frame view (batch..., d, r) of the parts `spec`
   takes, and the other parts (None when every part is a frame).
 
@@ -83,7 +83,7 @@ def split(x: jax.Array, spec: FrameSpec, name: str = "leaf"):
 
   Example:
     >>> import jax.numpy as jnp, stiefel_optax as so
-    >>> frames, rest = so.split(jnp.zeros((16, 48)), so.fused_qkv(2))
+    >>> frames, rest = so.split_frames(jnp.zeros((16, 48)), so.fused_qkv(2))
     >>> frames.shape, rest.shape          # q and k heads; the v third as is
     ((2, 2, 16, 8), (16, 16))
   """
@@ -118,22 +118,22 @@ def to_frames(x: jax.Array, spec: FrameSpec, name: str = "leaf") -> jax.Array:
     The frames, shape `spec.frame_shape(x.shape)`.
 
   Raises:
-    ValueError: as `split`.
+    ValueError: as `split_frames`.
 
   Example:
     >>> import jax.numpy as jnp, stiefel_optax as so
     >>> so.to_frames(jnp.zeros((16, 2, 4)), so.FrameSpec(rows=0, cols=2)).shape
     (2, 16, 4)
   """
-  return split(x, spec, name)[0]
+  return split_frames(x, spec, name)[0]
 
 
-def merge(frames: jax.Array, rest, spec: FrameSpec, shape) -> jax.Array:
-  """Inverse of `split` for a leaf of `shape`.
+def merge_frames(frames: jax.Array, rest, spec: FrameSpec, shape) -> jax.Array:
+  """Inverse of `split_frames` for a leaf of `shape`.
 
   Args:
     frames: the frame view, shape `spec.frame_shape(shape)`.
-    rest: the parts that are not frames, as `split` returns them (None when
+    rest: the parts that are not frames, as `split_frames` returns them (None when
       every part is a frame).
     spec: the leaf's `FrameSpec`.
     shape: the leaf's shape.
@@ -150,7 +150,7 @@ def merge(frames: jax.Array, rest, spec: FrameSpec, shape) -> jax.Array:
     >>> import jax.numpy as jnp, stiefel_optax as so
     >>> x = jnp.arange(16.0 * 48).reshape(16, 48)
     >>> spec = so.fused_qkv(2)
-    >>> bool((so.merge(*so.split(x, spec), spec, x.shape) == x).all())
+    >>> bool((so.merge_frames(*so.split_frames(x, spec), spec, x.shape) == x).all())
     True
   """
   shape = tuple(shape)
@@ -212,7 +212,7 @@ def from_frames(frames: jax.Array, spec: FrameSpec, shape, rest=None):
     sub = list(spec.part_shape(shape))
     sub[part] *= spec.parts - len(spec.take)
     rest = jnp.zeros(sub, frames.dtype)
-  return merge(frames, rest, spec, shape)
+  return merge_frames(frames, rest, spec, shape)
 
 
 def map_frames(fn: Callable[[jax.Array], jax.Array], params,
@@ -251,6 +251,6 @@ def map_frames(fn: Callable[[jax.Array], jax.Array], params,
     if spec is None:
       leaves.append(x)
       continue
-    view, rest = split(x, spec, path)
-    leaves.append(merge(fn(view), rest, spec, x.shape))
+    view, rest = split_frames(x, spec, path)
+    leaves.append(merge_frames(fn(view), rest, spec, x.shape))
   return jax.tree.structure(params).unflatten(leaves)

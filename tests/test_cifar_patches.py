@@ -112,7 +112,7 @@ def test_patchify_and_model_shapes():
   # as the other tests'); the forward's values: test_models.py
   params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
   assert jax.eval_shape(model.apply, {"params": params}, x).shape == (2, 10)
-  assert len(so.selected(params)) == 2
+  assert len(so.selected_frames(params)) == 2
   assert params["block_0"]["attn"]["query"]["kernel"].shape == (16, 2, 8)
 
 
@@ -136,7 +136,7 @@ def test_paired_init_shares_non_qk_parameters():
   model = PatchViTConfig(dim=16, heads=2).build()
   a = cp.init_params(model, cp.ARMS["adamw"], 7)
   b = cp.init_params(model, cp.ARMS["stiefel"], 7)
-  frames = so.selected(a)
+  frames = so.selected_frames(a)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
     if so.path_str(path) not in frames:
       np.testing.assert_array_equal(x, y)

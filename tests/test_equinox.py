@@ -115,8 +115,8 @@ def non_frame_leaves(model):
 def test_preset_and_default_select_the_qk_weights_with_each_modules_heads():
   model = Model(jax.random.key(0))
   for tree in (params_of(model), model):        # filtered, or the model
-    assert so.selected(tree, "equinox") == QK_PATHS
-    assert so.selected(tree) == QK_PATHS
+    assert so.selected_frames(tree, "equinox") == QK_PATHS
+    assert so.selected_frames(tree) == QK_PATHS
   shapes = so.map_frames(lambda w: w.shape, params_of(model), "equinox",
                          back=False)
   assert shapes["blocks/0/attn/query_proj/weight"] == (4, D, QK)
@@ -128,13 +128,13 @@ def test_views_are_the_plain_head_slices_and_round_trip():
   for shape, heads in (((4 * QK, D), 4), ((3, 2 * QK, D), 2)):
     w = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     spec = so.FrameSpec(rows=-1, cols=-2, heads=heads)
-    frames, rest = views.split(w, spec)
+    frames, rest = views.split_frames(w, spec)
     assert rest is None and frames.shape == shape[:-2] + (heads, D, QK)
     for h in range(heads):
       np.testing.assert_array_equal(
           frames[..., h, :, :], jnp.swapaxes(w[..., h * QK:(h + 1) * QK, :],
                                              -1, -2))
-    np.testing.assert_array_equal(views.merge(frames, rest, spec, shape), w)
+    np.testing.assert_array_equal(views.merge_frames(frames, rest, spec, shape), w)
     np.testing.assert_array_equal(views.from_frames(frames, spec, shape), w)
 
 
@@ -202,7 +202,7 @@ def test_blocks_stacked_by_filter_vmap():
   make = lambda k: eqx.nn.MultiheadAttention(2, D, qk_size=QK, key=k)
   stack = eqx.filter_vmap(make)(jax.random.split(jax.random.key(2), layers))
   assert stack.query_proj.weight.shape == (layers, 2 * QK, D)
-  assert so.selected(stack) == {
+  assert so.selected_frames(stack) == {
       p: so.FrameSpec(rows=-1, cols=-2, heads=2)
       for p in ("query_proj/weight", "key_proj/weight")}
   stack = so.orthonormalize(stack)
@@ -241,7 +241,7 @@ def test_equinox_preset_on_a_tree_without_multihead_attention():
       r" itself, eqx.filter\(model, eqx.is_inexact_array\)")):
     so.stiefel_attention(LR, frames="equinox").init(as_dict)
   with pytest.raises(ValueError, match=r"holds no eqx.nn.MultiheadAttention"):
-    so.selected(model.blocks[0].mlp, "equinox")
+    so.selected_frames(model.blocks[0].mlp, "equinox")
 
 
 def test_weight_whose_rows_do_not_split_into_the_modules_heads():
@@ -252,7 +252,7 @@ def test_weight_whose_rows_do_not_split_into_the_modules_heads():
       r"blocks/1/attn/key_proj/weight: shape \(15, 32\) is the weight of an"
       r" eqx.nn.MultiheadAttention with num_heads = 2.*FrameSpec\(rows=-1,"
       r" cols=-2, heads=H\)")):
-    so.selected(bad, "equinox")
+    so.selected_frames(bad, "equinox")
   with pytest.raises(ValueError, match=r"key_proj/weight: shape \(15, 32\)"):
     so.stiefel_attention(LR).init(params_of(bad))
 
@@ -262,7 +262,7 @@ def test_qk_size_above_query_size_is_refused_with_the_shape():
   with pytest.raises(ValueError, match=(
       r"query_proj/weight: shape \(16, 4\) gives frames of \(d, r\) = \(4, 8\)"
       r".*r > d")):
-    so.selected(mha, "equinox")
+    so.selected_frames(mha, "equinox")
 
 
 def test_non_orthonormal_start_names_the_path_and_orthonormalize():
@@ -277,6 +277,6 @@ def test_the_library_does_not_import_equinox():
   code = ("import sys, stiefel_optax, jax.numpy as jnp; "
           "assert 'equinox' not in sys.modules; "
           "assert 'haiku' not in sys.modules; "
-          "stiefel_optax.selected({'a/query/kernel': jnp.zeros((8, 2, 4))}); "
+          "stiefel_optax.selected_frames({'a/query/kernel': jnp.zeros((8, 2, 4))}); "
           "assert 'equinox' not in sys.modules")
   subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

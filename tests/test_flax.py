@@ -88,7 +88,7 @@ def _grads_like(params, seed):
 
 def _assert_euclidean_match(params, ref_params, frames=None):
   got, want = _leaves_by_path(params), _leaves_by_path(ref_params)
-  sel = so.selected(params, frames)
+  sel = so.selected_frames(params, frames)
   euclid = [p for p in got if p not in sel]
   assert len(euclid) >= 8, euclid
   for p in euclid:
@@ -120,7 +120,7 @@ def test_linen_train_state_50_steps_frames_on_manifold_rest_is_adamw(
     linen_params):
   model = LinenBlock()
   x, y = _data()
-  assert so.selected(linen_params) == {
+  assert so.selected_frames(linen_params) == {
       "attn/query/kernel": so.FrameSpec(rows=-3, cols=-1),
       "attn/key/kernel": so.FrameSpec(rows=-3, cols=-1)}
   so.check_frames(linen_params)
@@ -177,7 +177,7 @@ def test_nnx_optimizer_50_steps_frames_on_manifold_rest_is_adamw():
   start = nnx.as_pure(nnx.state(model, nnx.Param))
   # init sees an nnx.State of Variables, update the pure dicts: the paths
   # (and so the selected frames) are the same.
-  assert so.selected(nnx.state(model, nnx.Param)) == so.selected(start)
+  assert so.selected_frames(nnx.state(model, nnx.Param)) == so.selected_frames(start)
   optimizer = nnx.Optimizer(
       model, so.stiefel_attention(LR, weight_decay=WD), wrt=nnx.Param)
   ref_tx = optax.adamw(LR, weight_decay=WD)
@@ -228,7 +228,7 @@ def test_optimizer_state_one_moment_per_element_one_scalar_per_frame(
   state = tx.init(params)
   (fs,) = _frame_adam_states(state)
   leaves = _leaves_by_path(params)
-  stiefel = sorted(so.selected(params))
+  stiefel = sorted(so.selected_frames(params))
   assert sorted(stiefel) == ["attn/key/kernel", "attn/query/kernel"]
   mu, nu = _leaves_by_path(fs.mu), _leaves_by_path(fs.nu)
   assert sorted(mu) == sorted(nu) == sorted(stiefel)
@@ -273,7 +273,7 @@ def test_scanned_layers_kernels_batch_their_frames(linen_params):
 
 def test_weight_decay_leaves_frames_untouched(linen_params):
   params = linen_params
-  sel = so.selected(params)
+  sel = so.selected_frames(params)
   start = _leaves_by_path(params)
 
   def run_injected(weight_decay):          # jitted once, decay as an array
@@ -337,9 +337,9 @@ def test_regex_mapping_and_callable_selectors():
   by_callable = lambda path, leaf: (
       whole if path.split("/")[-1] in ("wq", "wk") else None)
   want = {"blk/wq": whole, "blk/wk": whole}
-  assert so.selected(params, by_regex) == want
-  assert so.selected(params, by_callable) == want
-  assert so.selected(params, {r"wq": whole}) == {"blk/wq": whole}
+  assert so.selected_frames(params, by_regex) == want
+  assert so.selected_frames(params, by_callable) == want
+  assert so.selected_frames(params, {r"wq": whole}) == {"blk/wq": whole}
   params = so.orthonormalize(params, by_regex)
   new, _ = _one_step_and_state(so.stiefel_attention(LR, frames=by_regex),
                                params)
@@ -382,7 +382,7 @@ def test_2d_kernels_split_into_heads_with_grouped_query_key():
                      "value": {"kernel": jax.random.normal(jax.random.key(2), (D, HEAD_DIM))}}}
   # Auto cannot know the heads of a 2-D kernel: it says which spec fits.
   with pytest.raises(ValueError, match=r"attn/key/kernel: shape \(16, 8\).*FrameSpec\(rows=0, cols=1, heads=H\)"):
-    so.selected(params)
+    so.selected_frames(params)
   frames = {r"query/kernel$": so.FrameSpec(rows=0, cols=1, heads=HEADS),
             r"key/kernel$": so.FrameSpec(rows=0, cols=1, heads=1)}
   params = so.orthonormalize(params, frames)
@@ -453,13 +453,13 @@ def test_head_dim_larger_than_d_names_path_and_shape():
 def test_nothing_selected_lists_paths():
   params = {"encoder": {"dense": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}}}
   with pytest.raises(ValueError, match=r"selects no leaf.*encoder/dense/kernel"):
-    so.selected(params)
+    so.selected_frames(params)
   with pytest.raises(ValueError, match=r"encoder/dense/bias"):
     so.stiefel_attention(LR).init(params)
   with pytest.raises(ValueError, match=r"'wq\$' matches no parameter path"):
-    so.selected(params, {r"wq$": so.FrameSpec()})
+    so.selected_frames(params, {r"wq$": so.FrameSpec()})
   with pytest.raises(ValueError, match=r"not a preset"):
-    so.selected(params, "llama")
+    so.selected_frames(params, "llama")
 
 
 def test_bad_selector_values_name_the_path(linen_params):
@@ -467,11 +467,11 @@ def test_bad_selector_values_name_the_path(linen_params):
     so.stiefel_attention(LR, frames=lambda path, leaf: (
         "adam" if path.endswith("key/kernel") else None)).init(linen_params)
   with pytest.raises(ValueError, match=r"frames\['query'\] = 'adam'"):
-    so.selected(linen_params, {"query": "adam"})
+    so.selected_frames(linen_params, {"query": "adam"})
   with pytest.raises(ValueError, match=r"is not a frame selector"):
-    so.selected(linen_params, 3)
+    so.selected_frames(linen_params, 3)
   with pytest.raises(ValueError, match=r"several frames= entries"):
-    so.selected(linen_params, {"query": so.FrameSpec(rows=0, cols=2),
+    so.selected_frames(linen_params, {"query": so.FrameSpec(rows=0, cols=2),
                                "attn/q": so.FrameSpec(rows=0, cols=(1, 2))})
   state = so.stiefel_attention(LR, frames={"query/kernel$": so.FrameSpec(
       rows=0, cols=2)}).init(linen_params)
@@ -649,7 +649,7 @@ _MANY_KERNELS = textwrap.dedent("""
       return jnp.asarray(q.transpose(1, 0, 2), jnp.float32)
     p0 = {f"layers_{i}": {n: {"kernel": frames(), "bias": jnp.zeros((2, 8))}
                           for n in ("query", "key", "value")} for i in range(4)}
-    n = len(so.selected(p0))
+    n = len(so.selected_frames(p0))
     for retraction in sys.argv[1:]:
       tx = so.stiefel_attention(1e-2, retraction=retraction)
 

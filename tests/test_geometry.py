@@ -90,7 +90,7 @@ def test_isometry_error_is_frobenius_defect(normal):
 
 def test_sym(normal):
   a = normal(4, (3, 4, 4))
-  s = so.sym(a)
+  s = so.geometry.sym(a)
   np.testing.assert_allclose(s, jnp.swapaxes(s, -1, -2))
   np.testing.assert_allclose(s + (a - jnp.swapaxes(a, -1, -2)) / 2, a,
                              atol=1e-6)
@@ -126,21 +126,21 @@ def test_project_tangent_float64(x64, certificate, frames, normal):
   P(P(G)) = P(G), <P(X), Y> = <X, P(Y)>, P(W) = 0; batched = per frame."""
   w = frames(5, (3, 8, 4))
   g, y = normal(6, w.shape), normal(7, w.shape)
-  p = so.project_tangent(w, g)
+  p = so.geometry.project_tangent(w, g)
   assert p.shape == g.shape and p.dtype == jnp.float64
   skew = jnp.einsum("bdi,bdj->bij", w, p)
   errs = [
       float(jnp.max(geometry.frame_norm(skew + jnp.swapaxes(skew, -1, -2)))
             / jnp.linalg.norm(g)),
-      rel(so.project_tangent(w, p), p),
-      abs(float(jnp.vdot(so.project_tangent(w, g), y)
-                - jnp.vdot(g, so.project_tangent(w, y))))
+      rel(so.geometry.project_tangent(w, p), p),
+      abs(float(jnp.vdot(so.geometry.project_tangent(w, g), y)
+                - jnp.vdot(g, so.geometry.project_tangent(w, y))))
       / float(jnp.linalg.norm(g) * jnp.linalg.norm(y)),
-      float(jnp.linalg.norm(so.project_tangent(w, w))),
+      float(jnp.linalg.norm(so.geometry.project_tangent(w, w))),
   ]
   certificate("geometry: projector identities (f64)", max(errs))
   assert max(errs) <= 1e-13
-  loop = jnp.stack([so.project_tangent(w[i], g[i]) for i in range(3)])
+  loop = jnp.stack([so.geometry.project_tangent(w[i], g[i]) for i in range(3)])
   assert rel(p, loop) <= 1e-14
 
 
@@ -212,7 +212,7 @@ def test_retract_methods_agree(x64, certificate, frames, normal):
   polar retraction for tangent steps with ||xi||_F = delta, and without a
   radius (max_step_norm=None: step count found at run time)."""
   w = frames(12, (3, 8, 4))
-  xi0 = so.project_tangent(w, normal(13, w.shape))
+  xi0 = so.geometry.project_tangent(w, normal(13, w.shape))
   for delta in (0.1, 0.5, 1.0, 2.0):
     xi = xi0 * (delta / geometry.frame_norm(xi0))[:, None, None]
     exact = so.retract(w, xi, "eigh")
@@ -382,7 +382,7 @@ def test_fast_path_certificate_passes_on_its_domain(dtype, certificate,
   with jax.enable_x64(dtype == "float64"):
     dt = jnp.dtype(dtype)
     w = frames(40, (16, 4), dt)
-    generic = so.project_tangent(w, normal(41, w.shape, dt))
+    generic = so.geometry.project_tangent(w, normal(41, w.shape, dt))
     for delta in (0.01, 0.1, 0.5, 1.0, 2.0, 4.0):
       tol = geometry.newton_schulz_tol(dt)
       for xi in (worst_tangent_step(w, delta),
@@ -435,7 +435,7 @@ def test_fallback_certified_float64(x64, certificate):
   max_steps = geometry.newton_schulz_max_steps(jnp.float64, r)
   for kappa in (1.0, 1e2, 1e4, 1e6):
     a = jnp.asarray(spread_frames(int(kappa), 3, d, r, kappa))
-    xi = 0.3 * so.project_tangent(jnp.asarray(np_polar_batch(a)), a)
+    xi = 0.3 * so.geometry.project_tangent(jnp.asarray(np_polar_batch(a)), a)
     w = a - xi
     for radius in (None, 0.1):
       out = so.retract(w, xi, max_step_norm=radius)
@@ -454,7 +454,7 @@ def test_retract_defaults_are_sized_for_the_step(frames, normal):
   is too small (certificate fails, fallback): float32 rounding either way,
   the exact polar retraction. At HEAD the defaults gave isometry 3.5e-4."""
   w = frames(42, (3, 8, 4))
-  xi = so.project_tangent(w, normal(43, w.shape))
+  xi = so.geometry.project_tangent(w, normal(43, w.shape))
   xi = 3.0 * xi / geometry.frame_norm(xi)[:, None, None]
   exact = so.retract(w, xi, "eigh")
   for kwargs in ({}, {"max_step_norm": 1.0}, {"max_step_norm": 0.1}):
@@ -472,7 +472,7 @@ def test_non_orthonormal_w_lands_on_the_manifold(dtype, frames, normal):
     dt = jnp.dtype(dtype)
     base = frames(44, (3, 8, 4), dt)
     w = 3.0 * base + 0.3 * normal(45, base.shape, dt)
-    xi = 0.05 * so.project_tangent(base, normal(46, base.shape, dt))
+    xi = 0.05 * so.geometry.project_tangent(base, normal(46, base.shape, dt))
     raw = so.retract(w, xi, max_step_norm=0.1,
                      num_steps=so.newton_schulz_steps(0.1))
     # What the fixed count alone returns (HEAD's retraction): far off.
@@ -491,7 +491,7 @@ def test_rank_deficient_frames_stay_finite(frames, normal):
   NaN or Inf, whatever path runs; the full-rank frame of the batch is still
   retracted to rounding, the zero head stays zero."""
   w = frames(47, (3, 8, 4))
-  xi = 0.05 * so.project_tangent(w, normal(48, w.shape))
+  xi = 0.05 * so.geometry.project_tangent(w, normal(48, w.shape))
   w, xi = w.at[1].set(0.0), xi.at[1].set(0.0)                 # zero head
   low = normal(49, (8, 2)) @ normal(50, (2, 4))
   w, xi = w.at[2].set(low.at[:, 1].set(0.0)), xi.at[2].set(0.0)
@@ -508,7 +508,7 @@ def test_retract_under_vmap_equals_batched(frames, normal):
   """Under jax.vmap the cond is a select (both branches run): same result."""
   w = frames(49, (3, 8, 4))
   w = w.at[0].multiply(3.0)                   # one frame needs the fallback
-  xi = 0.05 * so.project_tangent(w, normal(50, w.shape))
+  xi = 0.05 * so.geometry.project_tangent(w, normal(50, w.shape))
   batched = so.retract(w, xi, max_step_norm=0.1)
   mapped = jax.vmap(lambda a, b: so.retract(a, b, max_step_norm=0.1))(w, xi)
   assert rel(mapped, batched) <= 1e-6
@@ -526,7 +526,7 @@ BAD_SHAPES = [((5,), "rank >= 2"), ((), "rank >= 2"), ((3, 4), r"\(3, 4\)"),
 @pytest.mark.parametrize("shape,match", BAD_SHAPES)
 def test_bad_shapes_raise(shape, match):
   x = jnp.ones(shape)
-  for fn in (lambda: so.project_tangent(x, x), lambda: so.polar(x),
+  for fn in (lambda: so.geometry.project_tangent(x, x), lambda: so.polar(x),
              lambda: so.retract(x, x), lambda: so.isometry_error(x),
              lambda: so.random_frames(jax.random.key(0), shape)):
     with pytest.raises(ValueError, match=match):
@@ -539,9 +539,9 @@ def test_mismatched_shapes_name_both(frames, normal):
   and the public function."""
   w = frames(51, (8, 3))
   cases = [
-      (lambda: so.project_tangent(w, normal(52, (8, 1))), "project_tangent",
+      (lambda: so.geometry.project_tangent(w, normal(52, (8, 1))), "project_tangent",
        [r"\(8, 3\)", r"\(8, 1\)"]),
-      (lambda: so.project_tangent(w, normal(52, (2, 8, 3))), "project_tangent",
+      (lambda: so.geometry.project_tangent(w, normal(52, (2, 8, 3))), "project_tangent",
        [r"\(8, 3\)", r"\(2, 8, 3\)"]),
       (lambda: so.retract(w, normal(53, (8, 2))), "retract",
        [r"\(8, 3\)", r"\(8, 2\)"]),
@@ -549,7 +549,7 @@ def test_mismatched_shapes_name_both(frames, normal):
        [r"\(8, 3\)", r"\(8, 2\)"]),
       (lambda: geometry.gram(w, normal(54, (7, 3))), "gram",
        [r"\(8, 3\)", r"\(7, 3\)"]),
-      (lambda: so.sym(w), "sym", [r"\(8, 3\)"]),
+      (lambda: so.geometry.sym(w), "sym", [r"\(8, 3\)"]),
       (lambda: geometry.frame_norm(jnp.ones(5)), "frame_norm", [r"\(5,\)"]),
   ]
   for fn, name, shapes in cases:

@@ -52,7 +52,7 @@ def test_split_is_seeded_and_disjoint():
 def test_arms_share_every_non_qk_weight():
   pa = grokking.initial_params(TINY_CFG, "adamw", 3)
   ps = grokking.initial_params(TINY_CFG, "stiefel", 3)
-  frames = so.selected(pa)
+  frames = so.selected_frames(pa)
   n_qk = 0
   for (path, a), s in zip(jax.tree_util.tree_leaves_with_path(pa),
                           jax.tree.leaves(ps)):

@@ -82,15 +82,15 @@ def non_frame_leaves(params):
 
 def test_haiku_mha_selects_the_qk_weights_and_the_default_refuses():
   params = init_params()
-  assert so.selected(params, FRAMES) == QK_PATHS
+  assert so.selected_frames(params, FRAMES) == QK_PATHS
   # One head count for every module: no module name needed.
   uniform = {k: v for k, v in params.items() if not k.startswith("attn_1")}
-  assert so.selected(uniform, so.haiku_mha(4)) == {
+  assert so.selected_frames(uniform, so.haiku_mha(4)) == {
       p: s for p, s in QK_PATHS.items() if p.startswith("attn_0")}
   shapes = so.map_frames(lambda w: w.shape, params, FRAMES, back=False)
   assert shapes["attn_0/query/w"] == (4, D, KEY_SIZE)
   assert shapes["attn_1/key/w"] == (2, D, KEY_SIZE)
-  for call in (lambda: so.selected(params),
+  for call in (lambda: so.selected_frames(params),
                lambda: so.stiefel_attention(LR).init(params)):
     with pytest.raises(ValueError, match=(
         r"attn_0/(query|key)/w: shape \(32, 32\) is an attention projection"
@@ -104,12 +104,12 @@ def test_views_are_the_plain_head_slices_and_round_trip():
   for shape, heads in (((D, 4 * KEY_SIZE), 4), ((3, D, 2 * KEY_SIZE), 2)):
     w = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     (spec,) = so.haiku_mha(heads).values()
-    frames, rest = views.split(w, spec)
+    frames, rest = views.split_frames(w, spec)
     assert rest is None and frames.shape == shape[:-2] + (heads, D, KEY_SIZE)
     for h in range(heads):
       np.testing.assert_array_equal(
           frames[..., h, :, :], w[..., h * KEY_SIZE:(h + 1) * KEY_SIZE])
-    np.testing.assert_array_equal(views.merge(frames, rest, spec, shape), w)
+    np.testing.assert_array_equal(views.merge_frames(frames, rest, spec, shape), w)
 
 
 def test_orthonormalize_touches_only_qk():
@@ -177,7 +177,7 @@ def test_layer_stack():
   x = jax.random.normal(jax.random.key(3), (T, D))
   frames = so.haiku_mha(2)
   params = so.orthonormalize(net.init(jax.random.key(4), x), frames)
-  assert set(so.selected(params, frames)) == {
+  assert set(so.selected_frames(params, frames)) == {
       f"__layer_stack_no_per_layer/multi_head_attention/{p}/w"
       for p in ("query", "key")}
   tx = so.stiefel_attention(LR, frames=frames)
@@ -208,7 +208,7 @@ def test_heads_that_do_not_divide_the_width():
 def test_a_module_name_that_matches_nothing_names_nearby_paths():
   with pytest.raises(ValueError, match=(
       r"matches no parameter path; nearby paths:.*attn_\d/(query|key)/w")):
-    so.selected(init_params(), {**FRAMES, **so.haiku_mha(4, "attn_2")})
+    so.selected_frames(init_params(), {**FRAMES, **so.haiku_mha(4, "attn_2")})
   with pytest.raises(ValueError, match=r"module='' must be the module's"):
     so.haiku_mha(4, "")
 
@@ -216,7 +216,7 @@ def test_a_module_name_that_matches_nothing_names_nearby_paths():
 def test_overlapping_selectors_with_different_heads():
   with pytest.raises(ValueError, match=(
       r"attn_1/(query|key)/w: matched by several frames= entries")):
-    so.selected(init_params(), {**so.haiku_mha(4), **so.haiku_mha(2, "attn_1")})
+    so.selected_frames(init_params(), {**so.haiku_mha(4), **so.haiku_mha(2, "attn_1")})
 
 
 def test_non_orthonormal_start_names_the_path_and_orthonormalize():

@@ -97,7 +97,7 @@ def np_polar(a):
   return u @ vt
 
 
-project = jax.jit(so.project_tangent)
+project = jax.jit(so.geometry.project_tangent)
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
@@ -151,7 +151,7 @@ def test_mismatched_shapes_are_an_error_naming_both(case, which):
            (1,) + w_shape][which]                        # broadcastable
   w = np.zeros(w_shape, np.float32)
   g = np.zeros(wrong, np.float32)
-  for fn in (so.project_tangent, lambda w, g: so.retract(w, g, "eigh")):
+  for fn in (so.geometry.project_tangent, lambda w, g: so.retract(w, g, "eigh")):
     with pytest.raises(ValueError, match=re.escape(str(w_shape))) as info:
       fn(w, g)
     assert str(tuple(wrong)) in str(info.value)

@@ -96,12 +96,12 @@ def test_p1_riemannian_gradient_is_steepest_ascent(x64, frames, normal,
 
   @jax.jit
   def measure(w, big_g, noise, state):
-    g = so.project_tangent(w, big_g)
+    g = so.geometry.project_tangent(w, big_g)
     n_g = jnp.linalg.norm(big_g, axis=(-2, -1))
     wtg = jnp.einsum("...di,...dj->...ij", w, g)
     normal_part = big_g - g
     s = jnp.einsum("...di,...dj->...ij", w, normal_part)
-    xis = so.project_tangent(jnp.broadcast_to(w[:, None], many), noise)
+    xis = so.geometry.project_tangent(jnp.broadcast_to(w[:, None], many), noise)
     xis = xis / jnp.linalg.norm(xis, axis=(-2, -1), keepdims=True)
     g_norm = jnp.linalg.norm(g, axis=(-2, -1))
     along = inner(big_g[:, None], xis)
@@ -178,7 +178,7 @@ def test_p3_singular_values_of_w_plus_xi(x64, frames, normal, certificate):
   with rank < r (sigma_min)."""
   n, d, r = 64, SHAPE[-2], SHAPE[-1]
   w = frames(6, (n, d, r))
-  xi = so.project_tangent(w, normal(7, (n, d, r)))
+  xi = so.geometry.project_tangent(w, normal(7, (n, d, r)))
   radius = jnp.asarray(np.random.default_rng(8).uniform(0.0, 1.0, n))
   worst = 0.0
   for delta in (0.1, 1.0, 3.0):
@@ -199,7 +199,7 @@ def test_p3_singular_values_of_w_plus_xi(x64, frames, normal, certificate):
     # W^T xi = 0 (so xi is tangent, with xi^T xi = delta^2 v v^T of rank
     # one), and the projection leaves it unchanged.
     assert float(jnp.linalg.norm(w[0].T @ rank_one)) <= TOL * delta
-    assert rel(so.project_tangent(w[0], rank_one), rank_one) <= TOL
+    assert rel(so.geometry.project_tangent(w[0], rank_one), rank_one) <= TOL
     sv1 = np.linalg.svd(np.asarray(w[0] + rank_one), compute_uv=False)
     worst = max(worst, abs(sv1.max() / np.sqrt(1.0 + delta ** 2) - 1.0),
                 abs(sv1.min() - 1.0))
@@ -246,7 +246,7 @@ def test_p4_one_step_from_rotated_state(x64, frames, normal, certificate):
   """One step of the full chain from a mid-run state (W, G, m, v): the
   state (QW, QG, Qm, v) gives Q times the step, and the new moment is Qm."""
   w, g = frames(13, SHAPE), normal(14, SHAPE)
-  m = so.project_tangent(w, normal(15, SHAPE))
+  m = so.geometry.project_tangent(w, normal(15, SHAPE))
   q = haar_orthogonal(16, SHAPE[-2])
   tx = so.stiefel_adam(0.05, retraction="newton_schulz")
 
@@ -302,7 +302,7 @@ def test_p5_weight_decay_changes_nothing(x64, frames, normal, certificate):
   rounding, which Newton–Schulz keeps in float64.)"""
   method = "newton_schulz"
   w = frames(17, SHAPE)
-  err = certificate("P5 P_W(W) = 0", rel(so.project_tangent(w, w) + w, w))
+  err = certificate("P5 P_W(W) = 0", rel(so.geometry.project_tangent(w, w) + w, w))
   assert err <= TOL
   a, b = quadratic(18)
   base = runner(so.stiefel_adam(LR, max_step_norm=0.1,
@@ -374,7 +374,7 @@ def test_gauge_direction_carries_no_gradient(x64, frames, normal,
     err_grad = jnp.max(jnp.linalg.norm(sq + sk, axis=(-2, -1)) / scale)
     # The same for the Riemannian gradients: (P(G_Q), P(G_K)) is orthogonal
     # to the (tangent) gauge direction.
-    rq, rk = so.project_tangent(wq, gq), so.project_tangent(wk, gk)
+    rq, rk = so.geometry.project_tangent(wq, gq), so.geometry.project_tangent(wk, gk)
     deriv = inner(rq, wq @ omega) + inner(rk, wk @ omega)
     err_riem = jnp.max(jnp.abs(deriv) / jnp.abs(inner(rq, wq @ omega)))
     # Control: a non-gauge rotation (W_Q only) does change the loss.

@@ -23,7 +23,7 @@ Each family's tree copies its source's names, shapes and axis order exactly
 * a real flax.nnx GQA module: `nnx.LinearGeneral` query (d, N, H) and
   key/value (d, K, H) kernels.
 
-For each: the selector picks exactly the Q/K frames (`so.selected`, and the
+For each: the selector picks exactly the Q/K frames (`so.selected_frames`, and the
 default where it applies); `orthonormalize` touches nothing else
 (bit-identical); 20 steps of `stiefel_attention` keep the frames on the
 manifold (<= 1e-5, by `max_isometry_error` and by plain indexing of the
@@ -379,7 +379,7 @@ def _euclidean_parts(params, frames):
     if spec is None:
       out[path] = x
     else:
-      rest = views.split(x, spec, path)[1]
+      rest = views.split_frames(x, spec, path)[1]
       if rest is not None:
         out[path + " (rest)"] = rest
   return out
@@ -449,9 +449,9 @@ def _copy(tree):
 def test_family_selects_orthonormalizes_and_trains(family, certificate):
   build, frames, expected = FAMILIES[family]
   raw = build()
-  assert so.selected(raw, frames) == expected
+  assert so.selected_frames(raw, frames) == expected
   if family in AUTO_AGREES:
-    assert so.selected(raw) == expected
+    assert so.selected_frames(raw) == expected
   shapes = so.map_frames(lambda w: w.shape, raw, frames, back=False)
   for path, shape in FRAME_SHAPES[family].items():
     assert shapes[path] == shape, path
@@ -501,7 +501,7 @@ def test_gemma_trains_only_q_and_k_on_the_manifold():
         trained[f"layer_{i}"]["attn"]["kv_einsum"]["w"][1],
         ref[f"layer_{i}"]["attn"]["kv_einsum"]["w"][1], rtol=1e-6, atol=1e-6)
   # The selector names only Q and K: no value leaf or value part.
-  assert set(so.selected(raw, "gemma")) == set(GEMMA_QK)
+  assert set(so.selected_frames(raw, "gemma")) == set(GEMMA_QK)
 
   raw, fused, trained, _, _, _ = _trained("gemma_fused")
   v_third = {r"qkv_einsum/w$": so.FrameSpec(rows=-2, cols=-1, parts=3,
@@ -517,8 +517,8 @@ def test_nnx_module_runs_with_trained_params():
   trained params go back into the module, which still runs."""
   model = nnx_model()
   state = nnx.state(model, nnx.Param)
-  assert so.selected(state) == so.selected(nnx.to_pure_dict(state))
-  assert so.selected(state) == FAMILIES["nnx_gqa"][2]
+  assert so.selected_frames(state) == so.selected_frames(nnx.to_pure_dict(state))
+  assert so.selected_frames(state) == FAMILIES["nnx_gqa"][2]
   trained = _trained("nnx_gqa")[2]
   nnx.replace_by_pure_dict(state, trained)
   nnx.update(model, state)
@@ -545,7 +545,7 @@ def test_mapping_entry_matching_no_leaf_names_entry_and_nearby_paths():
                          ).init(params)
   # Also when another entry does match (the silent drop of issue 10).
   with pytest.raises(ValueError, match=r"'kv_einsum/w/0\$'.*nearby paths"):
-    so.selected(params, {r"q_einsum/w$": so.specs.GEMMA_Q,
+    so.selected_frames(params, {r"q_einsum/w$": so.specs.GEMMA_Q,
                          r"kv_einsum/w/0$": so.FrameSpec()})
 
 
@@ -556,14 +556,14 @@ def test_auto_refuses_a_stacked_kernel_without_self_attention():
       r"frames='flax'.*frames='maxtext'")):
     so.stiefel_attention(LR).init(params)
   with pytest.raises(ValueError, match=r"frames='flax'.*frames='maxtext'"):
-    so.selected(params)
+    so.selected_frames(params)
 
 
 def test_auto_refuses_a_fused_c_attn():
   params = nanogpt_params()
   with pytest.raises(ValueError, match=(
       r"transformer/h_0/attn/c_attn/kernel: shape \(32, 96\).*fused_qkv")):
-    so.selected(params)
+    so.selected_frames(params)
   with pytest.raises(ValueError, match=r"c_attn/kernel: shape \(32, 96\)"):
     so.stiefel_attention(LR).init(params)
 
@@ -579,7 +579,7 @@ def test_spec_that_does_not_fit_names_path_shape_and_spec():
   # Heads that do not divide the columns are named with the shape.
   with pytest.raises(ValueError, match=(
       r"c_attn/kernel: shape \(32, 96\) has 32 columns.*heads = 5")):
-    so.selected(nanogpt_params(), {r"c_attn/kernel$": so.fused_qkv(5)})
+    so.selected_frames(nanogpt_params(), {r"c_attn/kernel$": so.fused_qkv(5)})
 
 
 def test_callable_returning_a_non_spec_names_the_path():

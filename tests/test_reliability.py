@@ -315,7 +315,7 @@ def test_low_precision_geometry_runs_in_float32():
   w32 = so.random_frames(jax.random.PRNGKey(4), (3, 16, 4))
   g32 = jax.random.normal(jax.random.PRNGKey(5), w32.shape)
   # A tangent step of norm ~0.2 per frame, for the retraction.
-  xi32 = 0.05 * so.project_tangent(w32, g32)
+  xi32 = 0.05 * so.geometry.project_tangent(w32, g32)
   up = lambda x: x.astype(jnp.float32)
   for low in (jnp.bfloat16, jnp.float16):
     w = w32.astype(low)

@@ -266,7 +266,7 @@ def test_mismatched_shapes_raise_naming_both(shapes):
   # NumPy inputs: the checks run before any jnp op, so nothing compiles.
   w, g = np.ones(frame, np.float32), np.ones(other, np.float32)
   with pytest.raises(ValueError) as info:
-    so.project_tangent(w, g)
+    so.geometry.project_tangent(w, g)
   names_both(info, "project_tangent", frame, other)
   with pytest.raises(ValueError) as info:
     so.retract(w, g)

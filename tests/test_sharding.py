@@ -170,7 +170,7 @@ def run_case(params, frames_sel, shard, steps=3, stack=False,
     p, s = compiled(jax.device_put(g, p_sh), s, p)
   hlo = compiled.as_text()
 
-  sel = so.selected(params, frames_sel)
+  sel = so.selected_frames(params, frames_sel)
   leaves = dict((so.path_str(q), x) for q, x in
                 jax.tree_util.tree_leaves_with_path(p))
   host_p = jax.device_get(p)

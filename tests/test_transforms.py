@@ -287,7 +287,7 @@ class TransformsTest(TestCase):
       chex.assert_tree_all_finite(new)
       assert float(jnp.max(so.isometry_error(new))) <= 3e-6, lr
       ref = np.stack([np_polar(x) for x in np.asarray(
-          w - lr * so.project_tangent(w, g), np.float64)])
+          w - lr * so.geometry.project_tangent(w, g), np.float64)])
       assert rel(new, ref) <= 1e-5
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -299,7 +299,7 @@ class TransformsTest(TestCase):
     out, state = self.variant(tx.update)(grads, tx.init(params), params)
     assert state == optax.EmptyState()
     chex.assert_trees_all_equal_shapes_and_dtypes(out, grads)
-    chex.assert_trees_all_close(out["f32"], so.project_tangent(w, g),
+    chex.assert_trees_all_close(out["f32"], so.geometry.project_tangent(w, g),
                                 atol=1e-6)
     wtp = jnp.einsum("...di,...dj->...ij", w, out["f32"])
     assert float(jnp.max(jnp.abs(wtp + jnp.swapaxes(wtp, -1, -2)))) <= 1e-5
@@ -309,7 +309,7 @@ class TransformsTest(TestCase):
     """State: count (), mu like the leaf, nu ONE scalar per frame. First
     step: m = (1 - b1) g, v = (1 - b2) ||g||^2, so u = g / (||g|| + eps)."""
     w = frames(6, (2, 3, 8, 4))
-    g = so.project_tangent(w, normal(7, w.shape))
+    g = so.geometry.project_tangent(w, normal(7, w.shape))
     tx = so.scale_by_frame_adam(b1=0.8, b2=0.95, eps=0.0)
     state = tx.init(w)
     assert isinstance(state, so.ScaleByFrameAdamState)
@@ -338,13 +338,13 @@ class TransformsTest(TestCase):
     only if the momentum is transported (projected); without it the old
     momentum leaks a normal component (ablation control)."""
     w0, w1 = frames(8, (8, 4)), frames(9, (8, 4))
-    g0 = so.project_tangent(w0, normal(10, (8, 4)))
-    g1 = so.project_tangent(w1, normal(11, (8, 4)))
+    g0 = so.geometry.project_tangent(w0, normal(10, (8, 4)))
+    g1 = so.geometry.project_tangent(w1, normal(11, (8, 4)))
     tx = so.scale_by_frame_adam(transport_momentum=transport)
     update = self.variant(tx.update)
     _, state = update(g0, tx.init(w0), w0)
     u, _ = update(g1, state, w1)
-    defect = jnp.linalg.norm(so.sym(w1.T @ u)) / jnp.linalg.norm(u)
+    defect = jnp.linalg.norm(so.geometry.sym(w1.T @ u)) / jnp.linalg.norm(u)
     if transport:
       assert float(defect) <= 1e-5
     else:
@@ -374,7 +374,7 @@ class TransformsTest(TestCase):
   def test_retract_polar_lands_on_the_frame(self, method):
     """W + update == polar(W + xi), an orthonormal frame."""
     w = frames(14, (3, 8, 4))
-    xi = so.project_tangent(w, normal(15, w.shape))
+    xi = so.geometry.project_tangent(w, normal(15, w.shape))
     xi = xi * (0.5 / jnp.linalg.norm(xi, axis=(-2, -1)))[:, None, None]
     tx = so.retract_polar(method, max_step_norm=0.5)
     u, _ = self.variant(tx.update)(xi, tx.init(w), w)
@@ -453,8 +453,8 @@ class TransformsTest(TestCase):
     finite. Computing ||g||^2 as ||G||^2 - ||sym(W^T G)||^2 would cancel to
     noise (or a negative v) here in float32; v must come from g itself."""
     w = frames(31, (3, 8, 4))
-    s = so.sym(normal(32, (3, 4, 4)))
-    tangent = so.project_tangent(w, normal(33, w.shape))
+    s = so.geometry.sym(normal(32, (3, 4, 4)))
+    tangent = so.geometry.project_tangent(w, normal(33, w.shape))
     g_big = 300.0 * w @ s + 1e-2 * tangent
     tx = optax.chain(so.project_to_tangent(), so.scale_by_frame_adam(eps=0.0))
     u, state = self.variant(tx.update)(g_big, tx.init(w), w)
@@ -468,7 +468,7 @@ class TransformsTest(TestCase):
       self):
     """The run-time step count ignores a frame whose step is not finite."""
     w = frames(29, (3, 8, 4))
-    xi = 3.0 * so.project_tangent(w, normal(30, w.shape))
+    xi = 3.0 * so.geometry.project_tangent(w, normal(30, w.shape))
     xi = xi.at[1].set(jnp.nan)
     retract = self.variant(lambda w, xi: so.retract(
         w, xi, "newton_schulz", max_step_norm=None))
@@ -800,7 +800,7 @@ def test_retract_takes_the_callers_step_norm():
   that measures xi itself; a wrong n (or one of the wrong shape) is caught:
   the certificate sends it to the fallback, the shape check raises."""
   w = frames(43, (3, 16, 4))
-  xi = 0.1 * so.project_tangent(w, normal(44, w.shape))
+  xi = 0.1 * so.geometry.project_tangent(w, normal(44, w.shape))
   own = geometry.retract(w, xi, max_step_norm=0.5)
   given = geometry.retract(w, xi, max_step_norm=0.5,
                            step_norm=geometry.frame_norm(xi))

@@ -53,13 +53,13 @@ CASES = [
 def test_split_gives_the_documented_frames_and_merge_inverts(
     spec, shape, view, frame):
   k = arange(shape)
-  f, rest = so.split(k, spec)
+  f, rest = so.split_frames(k, spec)
   assert f.shape == view == spec.frame_shape(shape)
   flat = np.asarray(f).reshape((-1,) + view[-2:])
   for i in range(flat.shape[0]):
     np.testing.assert_array_equal(flat[i], frame(np.asarray(k), i),
                                   err_msg=f"frame {i}")
-  np.testing.assert_array_equal(so.merge(f, rest, spec, shape), k)
+  np.testing.assert_array_equal(so.merge_frames(f, rest, spec, shape), k)
   # Every entry is either in a frame or in the rest, exactly once.
   n_rest = 0 if rest is None else rest.size
   assert f.size + n_rest == k.size
@@ -76,10 +76,10 @@ def test_rest_keeps_the_leaf_axis_order():
   """The parts that are not frames keep the leaf's layout: AdamW sees the
   value third of a fused kernel as a (d, d) block of it."""
   k = arange((8, 12))
-  _, rest = so.split(k, so.fused_qkv(2))
+  _, rest = so.split_frames(k, so.fused_qkv(2))
   np.testing.assert_array_equal(rest, k[:, 8:])
   k = arange((2, 3, 8, 2))
-  _, rest = so.split(k, FrameSpec(-2, -1, parts=2, take=(0,), part_axis=0))
+  _, rest = so.split_frames(k, FrameSpec(-2, -1, parts=2, take=(0,), part_axis=0))
   np.testing.assert_array_equal(rest, k[1:])
 
 
@@ -94,7 +94,7 @@ def test_spec_errors_name_the_leaf_and_the_fix():
   with pytest.raises(ValueError, match=r"\(8, 7\).*parts = 3"):
     so.to_frames(jnp.zeros((8, 7)), so.fused_qkv(1))
   with pytest.raises(ValueError, match=r"takes 2 of 3 parts.*\(8, 12\)"):
-    so.merge(so.to_frames(jnp.zeros((8, 12)), so.fused_qkv(2)), None,
+    so.merge_frames(so.to_frames(jnp.zeros((8, 12)), so.fused_qkv(2)), None,
              so.fused_qkv(2), (8, 12))
   for bad in (dict(parts=3, take=(3,)), dict(parts=3, take=(1, 0)),
               dict(parts=3), dict(take=(0,)), dict(heads=0)):

@@ -18,7 +18,7 @@ from benchmarks.grokking.model import evaluate, make_model
 
 def other_norms(params) -> dict:
   """{path: ||x||_F} for every weight that is not a Q/K kernel."""
-  frames = so.selected(params)
+  frames = so.selected_frames(params)
   return {so.path_str(p): jnp.linalg.norm(x.ravel())
           for p, x in jax.tree_util.tree_leaves_with_path(params)
           if so.path_str(p) not in frames}
