@@ -10,13 +10,13 @@ from stiefel_optax.geometry import (
 from stiefel_optax.transforms import (
     ScaleByFrameAdamState, check_orthonormal_start, clip_frame_norm,
     project_to_tangent, retract_polar, scale_by_frame_adam, tangent_sq_norm)
-from stiefel_optax.aliases import riemannian_sgd, stiefel_adam
+from stiefel_optax.aliases import one_pass_chain, riemannian_sgd, stiefel_adam
 from stiefel_optax.muon import (
     ScaleByTangentMsignState, msign, scale_by_tangent_msign, stiefel_muon,
     tangent_msign)
 from stiefel_optax.specs import (
-    PRESETS, FrameSpec, equinox_specs, frame_specs, fused_qkv, haiku_mha,
-    path_str, selected_frames)
+    FRAME_PRESETS, FrameSpec, equinox_specs, frame_specs, fused_qkv,
+    haiku_mha, path_str, selected_frames)
 from stiefel_optax.views import (
     from_frames, map_frames, merge_frames, split_frames, to_frames)
 from stiefel_optax.partition import FramePartitionState, frame_partition
@@ -28,14 +28,14 @@ from stiefel_optax.diagnostics import (
 
 #: The release. The one version literal: pyproject.toml reads it
 #: (``[tool.setuptools.dynamic]``).
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 #: The numerics identity, a different concept from the release: the release
 #: whose numbers this code reproduces with every option at its default. It
 #: is bumped only by a change to what a default-configured transform
 #: computes (to rounding or more), not by new options, APIs or speed-ups
-#: that leave the numbers alone; so it may lag `__version__` (0.4.0 computed
-#: what 0.3.0 did). Benchmark run identities use it, so a study keeps its
+#: that leave the numbers alone; so it may lag `__version__`. Benchmark run
+#: identities use it, so a study keeps its
 #: runs across releases that leave the numbers alone. Which release changed
 #: the numbers, and how: CHANGELOG.md.
 NUMERICS_VERSION = "0.6.0"
@@ -43,25 +43,22 @@ NUMERICS_VERSION = "0.6.0"
 # Grouped as the API reference (docs/api.rst); tests/test_docs.py checks
 # that the two list the same names.
 __all__ = [
-    # The one-line switch.
-    "stiefel_attention",
-    # Optimizers.
-    "stiefel_adam", "riemannian_sgd", "stiefel_muon",
+    # Aliases: the one-line switch, and the optimizers of frames.
+    "stiefel_attention", "stiefel_adam", "riemannian_sgd", "stiefel_muon",
     # Transforms.
     "project_to_tangent", "check_orthonormal_start", "scale_by_frame_adam",
     "ScaleByFrameAdamState", "clip_frame_norm", "retract_polar",
     "scale_by_tangent_msign", "ScaleByTangentMsignState",
-    # Partition of a parameter tree.
-    "frame_partition", "FramePartitionState",
+    # Combining transforms: a one-pass chain, a partition of the tree.
+    "one_pass_chain", "frame_partition", "FramePartitionState",
     # Frame selection.
-    "FrameSpec", "PRESETS", "frame_specs", "selected_frames", "fused_qkv",
-    "haiku_mha", "equinox_specs", "path_str",
+    "FrameSpec", "FRAME_PRESETS", "frame_specs", "selected_frames",
+    "fused_qkv", "haiku_mha", "equinox_specs", "path_str",
     # Frame views.
     "split_frames", "merge_frames", "to_frames", "from_frames", "map_frames",
-    # Optimizer-state shardings.
-    "state_shardings", "frame_view_spec",
-    # Orthonormal starts.
-    "orthonormalize", "orthonormal_heads_init",
+    # Model helpers: orthonormal starts, optimizer-state shardings.
+    "orthonormalize", "orthonormal_heads_init", "state_shardings",
+    "frame_view_spec",
     # Diagnostics.
     "check_frames", "frame_isometry_errors", "max_isometry_error",
     "frame_movement",

@@ -1,5 +1,5 @@
 """Optimizers for Stiefel frames, each an `optax.chain` of the transforms,
-its update computed in one pass (`_one_pass`), with the chain's state.
+its update computed in one pass (`one_pass_chain`), with the chain's state.
 
 The leaves are frames (..., d, r); wrap with `partition.frame_partition` for
 kernels whose frames lie along other axes, or use `stiefel_attention`
@@ -8,31 +8,29 @@ for a whole Flax model.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
 
-from stiefel_optax import geometry, transforms
+from stiefel_optax import checks, geometry, transforms
 
 DEFAULT_MAX_STEP_NORM = 0.1
 
 
-def _cap_and_retract(max_step_norm, retraction: str):
+def _cap_and_retract(max_step_norm, radius: Optional[float],
+                     retraction: str):
   """The trust region (if any) and the polar retraction sized for it.
 
   Without a cap, or with a radius traced under jit (`optax.inject_hyperparams`
-  may change it between steps), no Newton–Schulz step count can be fixed in
-  advance: the retraction then counts its steps at run time from the actual
-  step norms (`retract_polar(max_step_norm=None)`).
+  may change it between steps; `radius` None), no Newton–Schulz step count
+  can be fixed in advance: the retraction then counts its steps at run time
+  from the actual step norms (`retract_polar(max_step_norm=None)`).
   """
   if max_step_norm is None:
     return [transforms.retract_polar(retraction, max_step_norm=None)]
-  radius = transforms.static_float(max_step_norm)
-  if radius is not None and not radius > 0:
-    raise ValueError(
-        f"max_step_norm must be > 0 (or None for no trust region); got {radius}.")
   return [transforms.clip_frame_norm(max_step_norm),
           transforms.retract_polar(retraction, max_step_norm=radius)]
 
@@ -69,14 +67,15 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
   Returns:
     An `optax.GradientTransformationExtraArgs` with the state of the chain
     check_orthonormal_start, scale_by_frame_adam, scale_by_learning_rate,
-    clip_frame_norm, retract_polar, its update computed in one pass; the
-    update needs params.
+    clip_frame_norm, retract_polar, its update computed in one pass
+    (`one_pass_chain`); the update needs params.
 
   Raises:
     ValueError: for an invalid `max_step_norm`, `retraction` or
       `orthonormal_start` (at once); at init, for a leaf that cannot hold
       frames or a frame that is rank-deficient or (orthonormal_start=
-      "check") not orthonormal; at update, without params.
+      "check") not orthonormal; at update, without params or for a gradient
+      whose shape is not its frame's.
 
   References:
     R. D. Guerrero, "Stiefel Attention: When the Geometry of Transformer
@@ -104,6 +103,9 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
   # d x r x r products per step with the retraction); the first link only
   # checks the start. The state has the structure of the unfused chain
   # (project_to_tangent, scale_by_frame_adam, ...), so checkpoints restore.
+  # (one_pass_chain checks max_step_norm and retraction, naming the alias.)
+  checks.check_choice("stiefel_adam", "orthonormal_start", orthonormal_start,
+                      checks.ORTHONORMAL_STARTS)
   check = transforms.check_orthonormal_start(orthonormal_start)
 
   def moment(updates, states, params):
@@ -112,36 +114,97 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
         updates, states[1], params, b1, b2, eps, project=True)
     return m, scale, (check_state, adam_state)
 
-  return _one_pass(
+  return one_pass_chain(
       [check, transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype,
                                              project=True)],
-      moment, learning_rate, max_step_norm, retraction)
+      moment, learning_rate, max_step_norm=max_step_norm,
+      retraction=retraction, name="stiefel_adam")
 
 
-def _one_pass(lead_links, lead, learning_rate, max_step_norm,
-              retraction: str) -> optax.GradientTransformationExtraArgs:
-  """optax.chain(*lead_links, scale_by_learning_rate(learning_rate),
-  *_cap_and_retract(...)), with that chain's state, its update computed in
-  one pass: the links hand on per-frame scalars instead of steps.
+def one_pass_chain(
+    lead_links: Sequence[optax.GradientTransformation],
+    lead: Callable[..., tuple],
+    learning_rate: optax.ScalarOrSchedule, *,
+    max_step_norm: Optional[chex.Numeric] = None,
+    retraction: str = "newton_schulz",
+    name: str = "one_pass_chain",
+) -> optax.GradientTransformationExtraArgs:
+  """A Stiefel chain that ends in lr, trust region and retraction, in one pass.
 
-  `lead(updates, lead_states, params) -> (m, scale, new lead_states)` does
-  the lead links' work (scale None: 1 per frame). The step is xi = m s per
-  frame with s = -lr scale min(1, delta / (lr scale ||m||_F)), so the cap
-  and the Newton–Schulz scale take ||xi||_F = |s| ||m||_F from m (for
-  `stiefel_adam` the new moment, which the state stores anyway), and XLA
-  fuses m s into W + xi: xi is never written out. The chain writes the
-  lead links' step and the capped step and reads each once more for its
-  norm (four more passes over the frames; on CPU also a recomputation
-  each, as XLA's reductions there do not absorb the selects that skip a
-  non-finite frame). Equal to the chain up to rounding
-  (tests/test_transforms.py); frames below float32 keep the step in
-  float32 between the links, where the chain rounds it to their dtype.
+  The chain::
+
+      optax.chain(*lead_links, optax.scale_by_learning_rate(learning_rate),
+                  clip_frame_norm(max_step_norm),       # if max_step_norm
+                  retract_polar(retraction, max_step_norm=max_step_norm))
+
+  with that chain's state, its update computed in one pass: the lead links
+  hand on per-frame scalars instead of steps. `lead` gives, per frame W, a
+  direction m and a scalar c; the update is::
+
+      s  = -lr c min(1, delta / (lr c ||m||_F))       (no min without delta)
+      xi = s m
+      u  = polar(W + xi) - W
+
+  so the cap and the Newton–Schulz scale take ||xi||_F = abs(s) ||m||_F
+  from m (for `stiefel_adam` the new first moment, which the state stores
+  anyway), and XLA fuses s m into W + xi: xi is never written out. Equal to
+  the chain up to rounding; frames below float32 keep the step in float32
+  between the links, where the chain rounds it to their dtype. The passes
+  it saves: docs/performance.rst ("The one-pass update").
+
+  Args:
+    lead_links: the chain's first transforms over frames (..., d, r); their
+      inits make the lead states, and the first one checks the start
+      (`check_orthonormal_start` or `project_to_tangent`).
+    lead: ``lead(updates, lead_states, params) -> (m, c, new_lead_states)``,
+      the lead links' update: m the direction (a tree of the updates'
+      structure, each leaf of its frame's shape), c one scalar per frame
+      (shape leaf.shape[:-2]) or None for 1, and the links' new states as a
+      tuple.
+    learning_rate: a float or an optax schedule.
+    max_step_norm: the trust-region radius delta (Frobenius, per frame);
+      None (default): no cap. May be injected (traced).
+    retraction: "newton_schulz" (default, matmul only) or "eigh".
+    name: the optimizer's name, which its error messages start with.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with the state of the chain
+    above; its update needs params, and accepts and ignores extra arguments
+    (as `optax.chain` does).
+
+  Raises:
+    ValueError: for an invalid `max_step_norm` or `retraction` (at once); at
+      init, as the links' inits; at update, without params or for an update
+      whose shape is not its frame's.
+
+  Example (`riemannian_sgd` by hand: m = P_W(G), c = 1):
+
+    >>> import jax, jax.numpy as jnp, optax, stiefel_optax as so
+    >>> project = so.project_to_tangent()
+    >>> def lead(updates, states, params):
+    ...   g, project_state = project.update(updates, states[0], params)
+    ...   return g, None, (project_state,)
+    >>> tx = so.one_pass_chain([project], lead, 0.1)
+    >>> chain = optax.chain(project, optax.scale_by_learning_rate(0.1),
+    ...                     so.retract_polar())
+    >>> w = so.random_frames(jax.random.key(0), (8, 2))
+    >>> g = jax.random.normal(jax.random.key(1), (8, 2))
+    >>> u, _ = tx.update(g, tx.init(w), w)
+    >>> u_chain, _ = chain.update(g, chain.init(w), w)
+    >>> bool(jnp.allclose(u, u_chain, atol=1e-6))
+    True
   """
-  links = [*lead_links, optax.scale_by_learning_rate(learning_rate),
-           *_cap_and_retract(max_step_norm, retraction)]
-  n = len(lead_links)
   radius = (None if max_step_norm is None
-            else transforms.static_float(max_step_norm))
+            else checks.check_radius(name, max_step_norm))
+  checks.check_choice(name, "retraction", retraction, geometry.RETRACTIONS)
+  links = [*lead_links, optax.scale_by_learning_rate(learning_rate),
+           *_cap_and_retract(max_step_norm, radius, retraction)]
+  n = len(lead_links)
+  chain_init = optax.chain(*links).init
+
+  def init_fn(params):
+    checks.require_params(params, name)
+    return chain_init(params)
 
   def capped(m, s):
     """(s, ||xi||_F) per frame after the cap."""
@@ -153,6 +216,8 @@ def _one_pass(lead_links, lead, learning_rate, max_step_norm,
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args    # as optax.chain: no link here takes any
+    checks.require_params(params, name)
+    checks.check_update_shapes(updates, params, name)
     m, scale, lead_states = lead(updates, state[:n], params)
     if scale is None:
       scale = jax.tree.map(
@@ -169,8 +234,7 @@ def _one_pass(lead_links, lead, learning_rate, max_step_norm,
     # The cap and the retraction keep no state (EmptyState).
     return u, (*lead_states, lr_state, *state[n + 1:])
 
-  return optax.GradientTransformationExtraArgs(optax.chain(*links).init,
-                                               update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
@@ -183,7 +247,7 @@ def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
   Unlike `stiefel_adam` the step is proportional to the gradient's scale.
   orthonormal_start as in `stiefel_adam`. The chain project_to_tangent ->
   scale_by_learning_rate -> clip_frame_norm -> retract_polar, computed in
-  one pass as `stiefel_adam`'s.
+  one pass (`one_pass_chain`).
 
   Args:
     learning_rate: a float or an optax schedule.
@@ -199,6 +263,10 @@ def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
   Raises:
     ValueError: as `stiefel_adam`.
 
+  References:
+    S. Bonnabel, "Stochastic gradient descent on Riemannian manifolds",
+    IEEE Transactions on Automatic Control 58(9), 2013.
+
   Example:
     >>> import jax, jax.numpy as jnp, optax, stiefel_optax as so
     >>> w = so.random_frames(jax.random.key(0), (8, 2))
@@ -207,11 +275,14 @@ def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
     >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)
     True
   """
+  checks.check_choice("riemannian_sgd", "orthonormal_start",
+                      orthonormal_start, checks.ORTHONORMAL_STARTS)
   project = transforms.project_to_tangent(orthonormal_start)
 
   def tangent(updates, states, params):
     g, project_state = project.update(updates, states[0], params)
     return g, None, (project_state,)
 
-  return _one_pass([project], tangent, learning_rate, max_step_norm,
-                   retraction)
+  return one_pass_chain([project], tangent, learning_rate,
+                        max_step_norm=max_step_norm, retraction=retraction,
+                        name="riemannian_sgd")

@@ -8,10 +8,77 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from stiefel_optax import aliases, partition, specs as specs_lib
+
+
+class _DefaultFloat(float):
+  """A number default of `stiefel_attention`, told apart from the same value
+  passed explicitly (`_given`). `optax.inject_hyperparams` still takes it for
+  a number and injects it, converted as a Python float is (its `dtype`)."""
+  __slots__ = ()
+  dtype = np.dtype(float)
+
+
+class _Default:
+  """Any other default of `stiefel_attention` (None, a str), told apart
+  from the same value passed explicitly; it reads as its value."""
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __repr__(self):
+    return repr(self.value)
+
+
+def _value(x):
+  """An argument's value: a default's own value, else the argument."""
+  if isinstance(x, _DefaultFloat):
+    return float(x)
+  return x.value if isinstance(x, _Default) else x
+
+
+def _given(x) -> bool:
+  """Whether an argument was passed: not a default, and not an array
+  (`optax.inject_hyperparams` passes every number as an array, passed or
+  not, so those cannot be told apart)."""
+  return not isinstance(x, (_DefaultFloat, _Default, jax.Array))
+
+
+# The arguments each given transform makes stiefel_attention ignore.
+_STIEFEL_ONLY = ("stiefel_learning_rate", "max_step_norm", "retraction")
+_SHARED = ("b1", "b2", "eps", "mu_dtype")
+
+
+def _check_ignored(stiefel_tx, euclidean_tx, args: dict) -> None:
+  """Refuses the arguments that a given `stiefel_tx` / `euclidean_tx` would
+  make `stiefel_attention` ignore silently."""
+  ignored = set()
+  if stiefel_tx is not None:
+    ignored.update(_STIEFEL_ONLY)
+  if euclidean_tx is not None:
+    ignored.add("weight_decay")
+  if stiefel_tx is not None and euclidean_tx is not None:
+    ignored.update(_SHARED)
+  names = [n for n in args if n in ignored and _given(args[n])]
+  if not names:
+    return
+  if stiefel_tx is not None and euclidean_tx is not None:
+    why = "stiefel_tx and euclidean_tx train both groups as they are"
+  elif stiefel_tx is not None:
+    why = "stiefel_tx trains the frames as it is"
+  else:
+    why = "euclidean_tx trains every other parameter as it is"
+  raise ValueError(
+      f"stiefel_attention: {', '.join(names)} would be ignored: {why}. Pass"
+      " them to your own transform instead (e.g. stiefel_tx="
+      "stiefel_optax.stiefel_adam(lr, max_step_norm=...), euclidean_tx="
+      "optax.adamw(lr, weight_decay=...)), or leave them out.")
 
 
 def _euclidean_eps(eps):
@@ -25,14 +92,16 @@ def _euclidean_eps(eps):
 
 def stiefel_attention(
     learning_rate: optax.ScalarOrSchedule, *,
-    stiefel_learning_rate: Optional[optax.ScalarOrSchedule] = None,
-    weight_decay: float = 1e-4,
-    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-    max_step_norm: Optional[float] = aliases.DEFAULT_MAX_STEP_NORM,
+    stiefel_learning_rate: Optional[optax.ScalarOrSchedule] = _Default(None),
+    weight_decay: float = _DefaultFloat(1e-4),
+    b1: float = _DefaultFloat(0.9), b2: float = _DefaultFloat(0.999),
+    eps: float = _DefaultFloat(1e-8),
+    max_step_norm: Optional[float] = _DefaultFloat(
+        aliases.DEFAULT_MAX_STEP_NORM),
     frames: specs_lib.Selector = None,
     orthonormal_start: str = "check",
-    retraction: str = "newton_schulz",
-    mu_dtype: Optional[Any] = None,
+    retraction: str = _Default("newton_schulz"),
+    mu_dtype: Optional[Any] = _Default(None),
     stiefel_tx: Optional[optax.GradientTransformation] = None,
     euclidean_tx: Optional[optax.GradientTransformation] = None,
     stack_frames: bool = False,
@@ -73,7 +142,14 @@ def stiefel_attention(
     retraction: "newton_schulz" (default, matmul only) or "eigh".
     mu_dtype: first-moment dtype of both groups.
     stiefel_tx, euclidean_tx: replace either group's transform, e.g.
-      `stiefel_tx=stiefel_optax.riemannian_sgd(1e-2)`.
+      `stiefel_tx=stiefel_optax.riemannian_sgd(1e-2)`. The arguments that
+      only the replaced transform would take are then refused rather than
+      ignored, even at their defaults: with `stiefel_tx`,
+      `stiefel_learning_rate`, `max_step_norm` and `retraction`; with
+      `euclidean_tx`, `weight_decay`; with both, also `b1`, `b2`, `eps` and
+      `mu_dtype` (and `learning_rate` is not used). Under
+      `optax.inject_hyperparams`, which passes every number whether given
+      or not, only `retraction` and `mu_dtype` can be refused.
     stack_frames: True: update the frames of equal shape from all leaves
       as one batch (`frame_partition`): fewer, larger products, one kernel
       launch per product on an accelerator; "auto": only up to
@@ -98,7 +174,8 @@ def stiefel_attention(
     state is a `FramePartitionState`; its update needs params.
 
   Raises:
-    ValueError: for an invalid option (at once); at init, when the selector
+    ValueError: for an invalid option or one that a given `stiefel_tx` or
+      `euclidean_tx` would make it ignore (at once); at init, when the selector
       cannot decide a leaf's layout or selects nothing, or a selected frame
       is rank-deficient or (orthonormal_start="check") not orthonormal; at
       update, without params or for a state made with another
@@ -123,6 +200,13 @@ def stiefel_attention(
     >>> bool(so.max_isometry_error(optax.apply_updates(params, updates)) < 1e-5)
     True
   """
+  args = dict(stiefel_learning_rate=stiefel_learning_rate,
+              weight_decay=weight_decay, b1=b1, b2=b2, eps=eps,
+              max_step_norm=max_step_norm, retraction=retraction,
+              mu_dtype=mu_dtype)
+  _check_ignored(stiefel_tx, euclidean_tx, args)
+  (stiefel_learning_rate, weight_decay, b1, b2, eps, max_step_norm,
+   retraction, mu_dtype) = (_value(v) for v in args.values())
   inner = stiefel_tx or aliases.stiefel_adam(
       stiefel_learning_rate if stiefel_learning_rate is not None
       else learning_rate, b1, b2, eps, max_step_norm=max_step_norm,

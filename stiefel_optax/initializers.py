@@ -10,8 +10,10 @@ from stiefel_optax import geometry, specs as specs_lib, views
 
 def orthonormalize(params, frames: specs_lib.Selector = None, *,
                    method: str = "eigh"):
-  """Replaces the selected frames by their polar factors; everything else
-  (other leaves, parts of fused leaves that are not frames) is unchanged.
+  """Replaces the selected frames by their polar factors.
+
+  Everything else (other leaves, parts of fused leaves that are not frames)
+  is unchanged.
 
   polar(A) = A (A^T A)^(-1/2) is the nearest orthonormal frame in Frobenius
   norm, argmin ||Q - A||_F over St(d, r). The factor from `method` is
@@ -61,8 +63,10 @@ def orthonormalize(params, frames: specs_lib.Selector = None, *,
 
 
 def orthonormal_heads_init(dtype=jnp.float32):
-  """A Flax initializer for (d, heads, head_dim) kernels whose per-head
-  (d, head_dim) frames are Haar-random orthonormal (`random_frames`).
+  """A Flax initializer of (d, heads, head_dim) kernels of orthonormal heads.
+
+  Each head's (d, head_dim) frame is Haar-random orthonormal
+  (`random_frames`).
 
   Args:
     dtype: the default dtype of the kernels it makes.

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stiefel_optax import aliases, geometry, transforms
+from stiefel_optax import aliases, checks, geometry, transforms
 
 # Polar Express, degree 5 (arXiv 2505.16932, Algorithm 1): (a, b, c) of
 # p(x) = a x + b x^3 + c x^5, before the 1.01 safety factor.
@@ -230,8 +230,9 @@ def scale_by_tangent_msign(b1: float = 0.95, nesterov: bool = True, *,
     `ScaleByTangentMsignState`; its update needs params.
 
   Raises:
-    ValueError: if `num_steps` or `method` is invalid (at once), or at init
-      if a leaf cannot hold frames, or at update without params.
+    ValueError: if `num_steps` or `method` is invalid (at once); at init,
+      if a leaf cannot hold frames; at update, without params or for a
+      gradient whose shape is not its frame's.
 
   References:
     K. Jordan et al., "Muon: An optimizer for hidden layers in neural
@@ -246,23 +247,19 @@ def scale_by_tangent_msign(b1: float = 0.95, nesterov: bool = True, *,
     >>> bool(1.0 - 1e-4 <= float(jnp.linalg.norm(d, 2)) <= 1.155)   # ||D||_2
     True
   """
-  msign_coefficients(num_steps)          # validates num_steps now
-  if method not in MSIGN_METHODS:
-    raise ValueError(
-        f"scale_by_tangent_msign: method must be one of {MSIGN_METHODS}; got"
-        f" {method!r}.")
+  checks.check_count("scale_by_tangent_msign", "num_steps", num_steps)
+  checks.check_choice("scale_by_tangent_msign", "method", method,
+                      MSIGN_METHODS)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
   def init_fn(params):
-    transforms.check_frame_leaves(params, "scale_by_tangent_msign")
+    checks.check_frame_leaves(params, "scale_by_tangent_msign")
     return ScaleByTangentMsignState(jax.tree.map(
         lambda w: jnp.zeros_like(w, dtype=mu_dtype or w.dtype), params))
 
   def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError(
-          "scale_by_tangent_msign needs params: the current frames W are part"
-          " of the Stiefel step. Call tx.update(grads, state, params).")
+    checks.require_params(params, "scale_by_tangent_msign")
+    checks.check_update_shapes(updates, params, "scale_by_tangent_msign")
 
     def leaf(g_in, m, w):
       cdtype = geometry.compute_dtype(w.dtype)
@@ -276,10 +273,7 @@ def scale_by_tangent_msign(b1: float = 0.95, nesterov: bool = True, *,
       return d.astype(g_in.dtype), m_new.astype(m.dtype)
 
     out = jax.tree.map(leaf, updates, state.mu, params)
-    treedef = jax.tree.structure(updates)
-    leaves = treedef.flatten_up_to(out)
-    d = treedef.unflatten([x[0] for x in leaves])
-    mu = treedef.unflatten([x[1] for x in leaves])
+    d, mu = transforms.unzip(jax.tree.structure(updates), out, 2)
     return d, ScaleByTangentMsignState(mu)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -347,7 +341,8 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
     ValueError: for an invalid `msign_steps`, `msign_method`, `retraction`,
       `orthonormal_start` or `max_step_norm` (at once); at init, for a leaf
       that cannot hold frames or a frame that is rank-deficient or
-      (orthonormal_start="check") not orthonormal.
+      (orthonormal_start="check") not orthonormal; at update, without
+      params or for a gradient whose shape is not its frame's.
 
   References:
     J. Bernstein, "Modular Manifolds", Thinking Machines Lab, 2025.
@@ -373,8 +368,14 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
     >>> print(f"{-loss(w):.4f}", bool(geometry.isometry_error(w) < 1e-5))
     13.0000 True
   """
-  # optax.chain(project, msign, lr, cap, retract), computed in one pass as
-  # `stiefel_adam`'s (`aliases._one_pass`), with that chain's state.
+  # optax.chain(project, msign, lr, cap, retract), computed in one pass
+  # (`one_pass_chain`), with that chain's state; one_pass_chain checks
+  # max_step_norm and retraction, naming stiefel_muon.
+  checks.check_count("stiefel_muon", "msign_steps", msign_steps)
+  checks.check_choice("stiefel_muon", "msign_method", msign_method,
+                      MSIGN_METHODS)
+  checks.check_choice("stiefel_muon", "orthonormal_start", orthonormal_start,
+                      checks.ORTHONORMAL_STARTS)
   lead = [transforms.project_to_tangent(orthonormal_start),
           scale_by_tangent_msign(b1, nesterov, num_steps=msign_steps,
                                  method=msign_method, mu_dtype=mu_dtype)]
@@ -384,5 +385,6 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
     d, msign_state = lead[1].update(g, states[1], params)
     return d, None, (project_state, msign_state)
 
-  return aliases._one_pass(lead, direction, learning_rate, max_step_norm,  # pylint: disable=protected-access
-                           retraction)
+  return aliases.one_pass_chain(lead, direction, learning_rate,
+                                max_step_norm=max_step_norm,
+                                retraction=retraction, name="stiefel_muon")

@@ -18,10 +18,10 @@ and every whole-batch decision (the retraction's certificate, the
 cancellation guard) is taken once per stack. That saves per-operation
 overhead (kernel launches on an accelerator) but costs a copy of W and G
 into the stack and of the update out of it, and on a CPU a stack larger
-than its caches makes every pass of the step go to memory (stacked, GPT-2
-small's update ran slower and 8 patch-ViT kernels (4, 64, 16) faster on a
-CPU: docs/performance.rst). `stack_frames="auto"` therefore stacks only
-up to AUTO_STACK_BYTES per stack and leaves larger frames per leaf.
+than its caches makes every pass of the step go to memory (the
+measurements: docs/performance.rst). `stack_frames="auto"` therefore
+stacks only up to AUTO_STACK_BYTES per stack and leaves larger frames per
+leaf.
 Stacking along a new axis keeps each leaf's sharding of its own axes, so
 leaves sharded alike stack without moving data; stack only leaves that are
 sharded alike (a stack of leaves sharded differently makes XLA reshard one
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stiefel_optax import geometry, specs as specs_lib, transforms, views
+from stiefel_optax import checks, specs as specs_lib, views
 
 
 def flax_meta():
@@ -119,14 +119,13 @@ STACK_FRAMES = (False, True, "auto")
 
 def stack_limit(stack_frames) -> Optional[float]:
   """Bytes per stack for a `stack_frames` setting (None: no stacking)."""
+  checks.check_choice("frame_partition", "stack_frames", stack_frames,
+                      STACK_FRAMES)
   if stack_frames is True:
     return float("inf")
   if stack_frames is False:
     return None
-  if stack_frames == "auto":
-    return float(AUTO_STACK_BYTES)
-  raise ValueError(f"stack_frames must be one of {STACK_FRAMES}; got"
-                   f" {stack_frames!r}.")
+  return float(AUTO_STACK_BYTES)
 
 
 def stack_plan(frame_tree, max_bytes: float = float("inf")) -> tuple:
@@ -201,12 +200,14 @@ def check_state(stiefel_tx, state, f_params, stack_frames) -> None:
 
 
 def check_start(items, orthonormal_start: str = "check") -> None:
-  """`transforms.check_start` on every selected leaf's frames, the error
-  naming the path, the leaf's shape, its frames and spec."""
+  """`checks.check_start` on every selected leaf's frames, the error
+  naming the path, the leaf's shape, its frames and spec: the start check of
+  `frame_partition`, once per init (the Stiefel transform's own is skipped,
+  `checks.start_checked`)."""
   for path, x, spec in items:
-    if spec is not None and transforms.is_concrete(x):
+    if spec is not None and checks.is_concrete(x):
       view = views.to_frames(x, spec, path)
-      transforms.check_start(
+      checks.check_start(
           f"{path}: shape {tuple(x.shape)}, frames {view.shape} under {spec}",
           view, orthonormal_start,
           fix="Call params = stiefel_optax.orthonormalize(params, frames=...)"
@@ -219,8 +220,17 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
                     orthonormal_start: str = "check",
                     stack_frames=False
                     ) -> optax.GradientTransformation:
-  """`stiefel_tx` on the frames that `frames` selects, `euclidean_tx` on the
-  rest.
+  """`stiefel_tx` on the selected frames, `euclidean_tx` on everything else.
+
+  `optax.partition` with sub-leaf resolution: for each leaf x with spec
+  S = FrameSpec | None from the selector `frames`::
+
+      (F, R) = split_frames(x, S)           # frame view (batch..., d, r), rest
+      u = merge_frames(stiefel_tx(F), euclidean_tx(R), S, x.shape)
+
+  and u = euclidean_tx(x) for a leaf that holds no frame. Each transform sees
+  the parameter tree's structure, the other group's leaves as
+  `optax.MaskedNode`.
 
   Args:
     stiefel_tx: a transform over frames (batch..., d, r), e.g.
@@ -234,7 +244,9 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
       a ValueError naming any selected leaf whose frames are not
       orthonormal; "project": accepted, and the first step's polar
       retraction lands them on the manifold (the model's function changes
-      at that step). Rank-deficient frames are an error either way.
+      at that step). Rank-deficient frames are an error either way. This
+      is the one start check of `init`: `stiefel_tx`'s own (its
+      `orthonormal_start`) is skipped there, its leaf checks still run.
     stack_frames: True: `stiefel_tx` sees a tuple of stacks (k, ``*view``) of
       the frame views of equal shape and dtype (see the module docstring)
       instead of the tree (its tree-structured options no longer apply),
@@ -268,35 +280,27 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
     ...                            frames=so.FrameSpec(rows=0, cols=2)) < 1e-5)
     True
   """
-  transforms.check_orthonormal_start_arg(orthonormal_start)
+  checks.check_choice("frame_partition", "orthonormal_start",
+                      orthonormal_start, checks.ORTHONORMAL_STARTS)
   limit = stack_limit(stack_frames)
   rest_tx = euclidean_tx if euclidean_tx is not None else optax.set_to_zero()
 
   def init_fn(params):
+    checks.require_params(params, "frame_partition")
     warn_if_boxed(params)   # its boxes would mislabel the state
     items = specs_lib.frame_specs(params, frames)
     check_start(items, orthonormal_start)
     f_params, r_params = _groups(params, items)
-    if orthonormal_start == "project":
-      # The inner chain checks its start too: give it the frames the first
-      # retraction will land on (its state holds only their shapes).
-      f_params = jax.tree.map(
-          lambda w: geometry.polar(w, "newton_schulz") if
-          transforms.is_concrete(w) else w, f_params)
-    f_params = _inner_params(f_params, stack_frames)
-    return FramePartitionState(stiefel_tx.init(f_params),
-                               rest_tx.init(r_params))
+    # The start is checked (above, naming the kernels): the Stiefel
+    # transform's init skips its own start check, its leaf checks still run.
+    with checks.start_checked():
+      s_state = stiefel_tx.init(_inner_params(f_params, stack_frames))
+    return FramePartitionState(s_state, rest_tx.init(r_params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError(
-          "the Stiefel frames are part of the step: call tx.update(grads,"
-          " state, params) with the current parameters.")
+    checks.require_params(params, "frame_partition")
     items = specs_lib.frame_specs(params, frames)
-    if jax.tree.structure(updates) != jax.tree.structure(params):
-      raise ValueError(
-          "updates and params have different tree structures:"
-          f" {jax.tree.structure(updates)} vs {jax.tree.structure(params)}.")
+    checks.check_same_structure(updates, params, "frame_partition")
     f_updates, r_updates = _groups(updates, items)
     f_params, r_params = _groups(params, items)
     check_state(stiefel_tx, state.stiefel, f_params, stack_frames)

@@ -39,11 +39,10 @@ refuses a count that does not divide.
 
 The alternative, keeping the state in the kernel's layout, was not taken:
 the step computes in the frame view, so a kernel-layout moment would be
-transposed in and out of the view at every step (the native-layout probe
-of the README's Performance section found computing in kernel layout 1.38x
-slower on GPT-2 small, with as many transposes), the per-frame second
-moment has no kernel layout at all, and the state's structure, hence every
-checkpoint, would change. Mapping the shardings changes none of the numbers
+transposed in and out of the view at every step (measured in
+docs/performance.rst, "The frame view against the native layout"), the
+per-frame second moment has no kernel layout at all, and the state's
+structure, hence every checkpoint, would change. Mapping the shardings changes none of the numbers
 and puts each state leaf where the step computes, so the sharded step moves
 no state between devices (`tests/test_state_sharding.py`).
 """
@@ -183,6 +182,9 @@ def frame_view_spec(spec: FrameSpec, shape, sharding, *, name: str = "leaf"):
 
   Returns:
     (frames' sharding, rest's sharding or None), of the kind of `sharding`.
+
+  Raises:
+    ValueError: naming `name`, when `spec` does not fit `shape`.
 
   Example:
     >>> from jax.sharding import PartitionSpec as P

@@ -267,8 +267,10 @@ GEMMA_QKV = FrameSpec(rows=-2, cols=-1, parts=3, take=(0, 1), part_axis=0)
 
 
 def fused_qkv(num_heads: int) -> FrameSpec:
-  """The spec of a nanoGPT-style fused (d, 3 d) `c_attn` kernel: the q and k
-  thirds of its columns, one frame per head.
+  """The spec of a nanoGPT-style fused (d, 3 d) `c_attn` kernel.
+
+  Its q and k thirds of the columns are frames, one per head; the v third
+  is trained as the rest.
 
   Args:
     num_heads: the model's number of heads.
@@ -421,9 +423,9 @@ def _is_eqx_mha(x) -> bool:
 
 
 def equinox_specs(params) -> dict:
-  """{path: FrameSpec} of the query/key weights of every
-  `eqx.nn.MultiheadAttention` in an Equinox tree, the head count read from
-  each module.
+  """The specs of every `eqx.nn.MultiheadAttention`'s query/key weights.
+
+  The head count is read from each module.
 
   `eqx.nn.Linear` stores W in (out, in) layout, here (num_heads * qk_size,
   query_size), head-major: head h's frame is W[h k:(h + 1) k, :]^T, of shape
@@ -507,8 +509,11 @@ def _auto_tree(params):
       eqx_leaf(path, leaf) or _auto(path, leaf))
 
 
-PRESETS = {"auto": _auto_tree, "equinox": _equinox, "flax": _flax,
-           "gemma": _gemma, "maxtext": _maxtext}
+#: The names of the preset selectors, each a ``frames=`` value: ``"auto"``
+#: (the default, ``frames=None``) recognises the others by path and shape.
+FRAME_PRESETS = ("auto", "equinox", "flax", "gemma", "maxtext")
+_PRESETS = dict(zip(FRAME_PRESETS,
+                    (_auto_tree, _equinox, _flax, _gemma, _maxtext)))
 
 Selector = Union[None, str, FrameSpec, Mapping[str, Optional[FrameSpec]],
                  Callable[[str, Any], Optional[FrameSpec]]]
@@ -562,11 +567,11 @@ def _selector_fn(frames: Selector, params=None):
   if frames is None:
     frames = "auto"
   if isinstance(frames, str):
-    if frames not in PRESETS:
+    if frames not in _PRESETS:
       raise ValueError(f"frames={frames!r} is not a preset; the presets are"
-                       f" {sorted(PRESETS)} (or pass a mapping"
+                       f" {list(FRAME_PRESETS)} (or pass a mapping"
                        " {path_regex: FrameSpec} or a callable).")
-    return _bind(PRESETS[frames], params), {}, f"preset {frames!r}"
+    return _bind(_PRESETS[frames], params), {}, f"preset {frames!r}"
   if isinstance(frames, FrameSpec):
     return (lambda path, leaf: frames), {}, repr(frames)
   if isinstance(frames, Mapping):
@@ -596,7 +601,7 @@ def _selector_fn(frames: Selector, params=None):
             f"callable {getattr(frames, '__name__', frames)!r}")
   raise ValueError(
       f"frames={frames!r} is not a frame selector: pass a preset name"
-      f" {sorted(PRESETS)}, a FrameSpec, a mapping {{path_regex: FrameSpec}},"
+      f" {list(FRAME_PRESETS)}, a FrameSpec, a mapping {{path_regex: FrameSpec}},"
       " or a callable (path, leaf) -> FrameSpec | None. (Under"
       " optax.inject_hyperparams a callable selector is taken for a schedule"
       " unless static_args=('frames',).)")
@@ -683,7 +688,7 @@ def selected_frames(params, frames: Selector = None) -> dict:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from stiefel_optax import selected
+    >>> from stiefel_optax import selected_frames
     >>> tree = {"attn": {"query": {"kernel": jnp.zeros((8, 2, 4))},
     ...                  "value": {"kernel": jnp.zeros((8, 2, 4))}}}
     >>> selected_frames(tree)

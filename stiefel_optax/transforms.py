@@ -5,6 +5,9 @@ needs `params` (the current frames W). Chained as in `aliases.stiefel_adam`::
 
     project_to_tangent -> scale_by_frame_adam -> scale_by_learning_rate
       -> clip_frame_norm -> retract_polar
+
+(`aliases.one_pass_chain` computes such a chain in one pass). Their argument
+and leaf checks, and the start check, are in `checks`.
 """
 
 from __future__ import annotations
@@ -14,60 +17,9 @@ from typing import Any, NamedTuple, Optional
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from stiefel_optax import geometry
-
-
-def _require_params(params, name: str):
-  if params is None:
-    raise ValueError(
-        f"{name} needs params: the current frames W are part of the Stiefel"
-        f" step. Call tx.update(grads, state, params).")
-
-
-def _check_leaf(path, leaf, name: str):
-  where = f"{name}: parameter {jax.tree_util.keystr(path) or '<root>'}"
-  if not hasattr(leaf, "shape"):
-    raise ValueError(f"{where} is {type(leaf).__name__}, not an array.")
-  if not jnp.issubdtype(leaf.dtype, jnp.floating):
-    raise ValueError(
-        f"{where} with shape {tuple(leaf.shape)} has dtype {leaf.dtype}; a"
-        " Stiefel frame must be floating point.")
-  try:
-    geometry.check_frame_shape(leaf.shape, where)
-  except ValueError as err:
-    if leaf.ndim >= 3:
-      raise ValueError(
-          f"{err} Its last two axes are taken as the frames (d, r); if this"
-          " is a (d, heads, head_dim) kernel, train it through"
-          " stiefel_optax.stiefel_attention(..., frames=...) or"
-          " frame_partition(tx, None, frames=FrameSpec(rows=0, cols=2)).")
-    raise
-
-
-def check_update_shapes(updates, params, name: str) -> None:
-  """Raises ValueError naming the leaf path and both shapes where an update
-  (gradient or step) does not have the shape of its frame: the geometry
-  never broadcasts one against the other."""
-  def check(path, w, u):
-    u_shape, w_shape = getattr(u, "shape", None), getattr(w, "shape", None)
-    if u_shape is not None and w_shape is not None and (
-        tuple(u_shape) != tuple(w_shape)):
-      raise ValueError(
-          f"{name}: parameter {jax.tree_util.keystr(path) or '<root>'} has"
-          f" shape {tuple(w_shape)} but its update has shape"
-          f" {tuple(u_shape)}; they must be equal.")
-  jax.tree_util.tree_map_with_path(check, params, updates)
-
-
-def check_frame_leaves(params, name: str) -> None:
-  """Raises ValueError naming the leaf path and shape of any leaf that cannot
-  hold Stiefel frames (rank < 2, r > d, non-float dtype)."""
-  _require_params(params, name)
-  jax.tree_util.tree_map_with_path(
-      lambda p, x: _check_leaf(p, x, name), params)
+from stiefel_optax import checks, geometry
 
 
 def _per_frame(fn, *trees):
@@ -87,94 +39,14 @@ def unzip(treedef, tree, n: int):
 
 
 # --------------------------------------------------------------------------
-# The starting frames.
-
-ORTHONORMAL_STARTS = ("check", "project")
-
-
-def check_orthonormal_start_arg(orthonormal_start: str) -> None:
-  if orthonormal_start not in ORTHONORMAL_STARTS:
-    raise ValueError(f"orthonormal_start must be one of {ORTHONORMAL_STARTS};"
-                     f" got {orthonormal_start!r}.")
-
-
-def is_concrete(x) -> bool:
-  """True for an array with values (not traced under jit, not abstract)."""
-  return hasattr(x, "dtype") and not isinstance(
-      x, (jax.core.Tracer, jax.ShapeDtypeStruct))
-
-
-@jax.jit
-def _frame_stats(w):
-  """(isometry error, smallest and largest eigenvalue of W^T W) per frame."""
-  w = w.astype(geometry.compute_dtype(w.dtype))
-  lam = jnp.linalg.eigvalsh(geometry.gram(w))
-  return geometry.isometry_error(w), lam[..., 0], lam[..., -1]
-
-
-def start_tolerance(dtype, r: int) -> float:
-  """Isometry error accepted for a starting frame: 1e-4, or the dtype's
-  rounding (4 sqrt(r) eps) for bf16/f16 frames."""
-  return max(1e-4, 4.0 * np.sqrt(r) * float(jnp.finfo(dtype).eps))
-
-
-def check_start(name: str, frames, orthonormal_start: str = "check",
-                fix: str = "", hint: str = "") -> None:
-  """Raises ValueError, starting with `name`, when frames (..., d, r) hold a
-  rank-deficient frame, or (orthonormal_start="check") one that is not
-  orthonormal to `start_tolerance`. Skipped for traced frames (init under
-  jit): the retraction then keeps them finite and lands them on the
-  manifold. `fix` ends the not-orthonormal message (how to orthonormalize),
-  `hint` both messages.
-  """
-  if not is_concrete(frames):
-    return
-  iso, lo, hi = (np.asarray(v) for v in _frame_stats(frames))
-  r = frames.shape[-1]
-  eps = float(jnp.finfo(geometry.compute_dtype(frames.dtype)).eps)
-  deficient = lo <= r * eps * hi
-  if deficient.any():
-    idx = tuple(int(i) for i in np.argwhere(deficient)[0])
-    raise ValueError(
-        f"{name}: frame {idx} is rank-deficient (smallest singular value"
-        f" {np.sqrt(max(float(lo[idx]), 0.0)):.3g}, largest"
-        f" {np.sqrt(max(float(hi[idx]), 0.0)):.3g}), so no orthonormal frame"
-        " is near it. Reinitialise it (e.g. stiefel_optax.random_frames)"
-        f" before training.{hint}")
-  tol = start_tolerance(frames.dtype, r)
-  if orthonormal_start == "check" and not iso.max() <= tol:
-    idx = tuple(int(i) for i in np.unravel_index(iso.argmax(), iso.shape))
-    raise ValueError(
-        f"{name}: not orthonormal (isometry error ||W^T W - I||_F ="
-        f" {float(iso.max()):.3g} at frame {idx}, tolerance {tol:.3g}). {fix}"
-        "Or pass orthonormal_start='project' to retract the first step onto"
-        f" the manifold (this changes the model's function at that step).{hint}")
-
-
-# --------------------------------------------------------------------------
 # Tangent projection.
 
 
 def _start_init(name: str, orthonormal_start: str):
-  """The init of a chain's first link: checks the leaves and the start
-  (`check_start`), naming the leaf."""
+  """The init of a chain's first link: checks the leaves and, once per init,
+  the start (`checks.check_start_leaves`), naming the leaf."""
   def init_fn(params):
-    check_frame_leaves(params, name)
-
-    def check(path, w):
-      where = f"{name}: parameter {jax.tree_util.keystr(path) or '<root>'}"
-      hint = ""
-      if w.ndim >= 3:
-        hint = (f" Its last two axes are taken as the frames (d, r) ="
-                f" {tuple(w.shape[-2:])}; if this is a (d, heads, head_dim)"
-                " kernel, train it through stiefel_optax.stiefel_attention("
-                "..., frames=...) or frame_partition(tx, None,"
-                " frames=FrameSpec(rows=0, cols=2)).")
-      check_start(f"{where} (shape {tuple(w.shape)})", w, orthonormal_start,
-                  fix="Orthonormalize it first (stiefel_optax.polar(w)). ",
-                  hint=hint)
-
-    jax.tree_util.tree_map_with_path(check, params)
+    checks.check_start_leaves(params, name, orthonormal_start)
     return optax.EmptyState()
   return init_fn
 
@@ -206,6 +78,10 @@ def project_to_tangent(orthonormal_start: str = "check"
       update, without params or for an update whose shape is not its
       frame's.
 
+  References:
+    P.-A. Absil, R. Mahony and R. Sepulchre, "Optimization Algorithms on
+    Matrix Manifolds", Princeton University Press, 2008.
+
   Example:
     >>> import jax, jax.numpy as jnp, stiefel_optax as so
     >>> w = so.random_frames(jax.random.key(0), (8, 2))
@@ -214,11 +90,12 @@ def project_to_tangent(orthonormal_start: str = "check"
     >>> bool(jnp.abs(w.T @ g + g.T @ w).max() < 1e-6)     # tangent at w
     True
   """
-  check_orthonormal_start_arg(orthonormal_start)
+  checks.check_choice("project_to_tangent", "orthonormal_start",
+                      orthonormal_start, checks.ORTHONORMAL_STARTS)
 
   def update_fn(updates, state, params=None):
-    _require_params(params, "project_to_tangent")
-    check_update_shapes(updates, params, "project_to_tangent")
+    checks.require_params(params, "project_to_tangent")
+    checks.check_update_shapes(updates, params, "project_to_tangent")
     return _per_frame(lambda g, w: geometry.project_tangent(w, g),
                       updates, params), state
 
@@ -228,11 +105,12 @@ def project_to_tangent(orthonormal_start: str = "check"
 
 def check_orthonormal_start(orthonormal_start: str = "check"
                  ) -> optax.GradientTransformation:
-  """The start check of `project_to_tangent` without the projection: the
-  first link of a chain whose next link projects itself
+  """The start check of `project_to_tangent`, without the projection.
+
+  The first link of a chain whose next link projects itself
   (`scale_by_frame_adam(project=True)`, as in `stiefel_adam`). `init`
   raises as `project_to_tangent`'s does; `update` checks shapes and passes
-  the gradients through unchanged.
+  the gradients through unchanged: u = G.
 
   Args:
     orthonormal_start: "check" (default) or "project".
@@ -252,11 +130,12 @@ def check_orthonormal_start(orthonormal_start: str = "check"
     >>> bool((g == 1).all())
     True
   """
-  check_orthonormal_start_arg(orthonormal_start)
+  checks.check_choice("check_orthonormal_start", "orthonormal_start",
+                      orthonormal_start, checks.ORTHONORMAL_STARTS)
 
   def update_fn(updates, state, params=None):
-    _require_params(params, "check_orthonormal_start")
-    check_update_shapes(updates, params, "check_orthonormal_start")
+    checks.require_params(params, "check_orthonormal_start")
+    checks.check_update_shapes(updates, params, "check_orthonormal_start")
     return updates, state
 
   return optax.GradientTransformation(
@@ -404,7 +283,7 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         "transport_momentum=False).")
 
   def init_fn(params):
-    check_frame_leaves(params, "scale_by_frame_adam")
+    checks.check_frame_leaves(params, "scale_by_frame_adam")
     mu = jax.tree.map(
         lambda w: jnp.zeros_like(w, dtype=mu_dtype or w.dtype), params)
     nu = jax.tree.map(
@@ -413,8 +292,8 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     return ScaleByFrameAdamState(jnp.zeros([], jnp.int32), mu, nu)
 
   def update_fn(updates, state, params=None):
-    _require_params(params, "scale_by_frame_adam")
-    check_update_shapes(updates, params, "scale_by_frame_adam")
+    checks.require_params(params, "scale_by_frame_adam")
+    checks.check_update_shapes(updates, params, "scale_by_frame_adam")
     m, scale, state = frame_adam_moments(updates, state, params, b1, b2, eps,
                                          transport_momentum, project)
     u = jax.tree.map(lambda m, s, g: (m * s[..., None, None]).astype(g.dtype),
@@ -478,15 +357,6 @@ def frame_adam_moments(updates, state: ScaleByFrameAdamState, params,
 # Trust region.
 
 
-def static_float(x) -> Optional[float]:
-  """x as a Python float, or None when it is traced (as
-  `optax.inject_hyperparams` passes hyperparameters under jit)."""
-  try:
-    return float(x)
-  except (jax.errors.ConcretizationTypeError, TypeError):
-    return None
-
-
 def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
   """Trust region: xi <- xi * min(1, max_norm / ||xi||_F), per frame.
 
@@ -502,8 +372,9 @@ def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
     needs params.
 
   Raises:
-    ValueError: for a concrete `max_norm` <= 0 (at once); at init, for a
-      leaf that cannot hold frames; at update, without params.
+    ValueError: for a concrete `max_norm` that is not finite and > 0 (at
+      once); at init, for a leaf that cannot hold frames; at update, without
+      params or for a step whose shape is not its frame's.
 
   Example:
     >>> import jax.numpy as jnp, stiefel_optax as so
@@ -513,16 +384,16 @@ def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
     >>> so.geometry.frame_norm(u)
     Array([0.1, 0.1], dtype=float32)
   """
-  value = static_float(max_norm)
-  if value is not None and not value > 0:
-    raise ValueError(f"clip_frame_norm: max_norm must be > 0; got {value}.")
+  checks.check_radius("clip_frame_norm", max_norm, "max_norm",
+                      optional=False)
 
   def init_fn(params):
-    check_frame_leaves(params, "clip_frame_norm")
+    checks.check_frame_leaves(params, "clip_frame_norm")
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
-    _require_params(params, "clip_frame_norm")
+    checks.require_params(params, "clip_frame_norm")
+    checks.check_update_shapes(updates, params, "clip_frame_norm")
 
     def clip(xi):
       factor = cap_factor(geometry.frame_norm(xi), max_norm)
@@ -581,6 +452,10 @@ def retract_polar(method: str = "newton_schulz", *,
       init, for a leaf that cannot hold frames; at update, without params
       or for a step whose shape is not its frame's.
 
+  References:
+    P.-A. Absil, R. Mahony and R. Sepulchre, "Optimization Algorithms on
+    Matrix Manifolds", Princeton University Press, 2008.
+
   Example:
     >>> import jax, optax, stiefel_optax as so
     >>> w = so.random_frames(jax.random.key(0), (8, 3))
@@ -590,24 +465,22 @@ def retract_polar(method: str = "newton_schulz", *,
     >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)
     True
   """
-  if method not in geometry.RETRACTIONS:
-    raise ValueError(
-        f"retract_polar: method must be one of {geometry.RETRACTIONS}; got"
-        f" {method!r}.")
-  radius = None if max_step_norm is None else static_float(max_step_norm)
-  if radius is not None:              # validates the radius now
+  checks.check_choice("retract_polar", "method", method, geometry.RETRACTIONS)
+  radius = (None if max_step_norm is None
+            else checks.check_radius("retract_polar", max_step_norm))
+  if radius is not None and not tangent:    # and < 1 for any step
     try:
       geometry.newton_schulz_steps(radius, tangent=tangent)
     except ValueError as err:
       raise ValueError(f"retract_polar: {err}") from None
 
   def init_fn(params):
-    check_frame_leaves(params, "retract_polar")
+    checks.check_frame_leaves(params, "retract_polar")
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
-    _require_params(params, "retract_polar")
-    check_update_shapes(updates, params, "retract_polar")
+    checks.require_params(params, "retract_polar")
+    checks.check_update_shapes(updates, params, "retract_polar")
 
     return jax.tree.map(
         lambda xi, w: retraction_update(xi, w, method, radius, tangent,

@@ -65,8 +65,10 @@ def _frame_perm(spec: FrameSpec, ndim: int, name: str):
 
 
 def split_frames(x: jax.Array, spec: FrameSpec, name: str = "leaf"):
-  """(frames, rest): the frame view (batch..., d, r) of the parts `spec`
-  takes, and the other parts (None when every part is a frame).
+  """A leaf's frame view (batch..., d, r), and its parts that are not frames.
+
+  The frames are the parts `spec` takes; rest the other parts (None when
+  every part is a frame).
 
   Args:
     x: a leaf.
@@ -171,8 +173,8 @@ def merge_frames(frames: jax.Array, rest, spec: FrameSpec, shape) -> jax.Array:
     if len(spec.take) < spec.parts:
       # The leaf's other parts are part of its shape: never drop them.
       raise ValueError(
-          f"merge: {spec} takes {len(spec.take)} of {spec.parts} parts of a"
-          f" leaf of shape {shape}; pass the other parts as rest (or use"
+          f"merge_frames: {spec} takes {len(spec.take)} of {spec.parts} parts"
+          f" of a leaf of shape {shape}; pass the other parts as rest (or use"
           " from_frames, which fills them with zeros).")
     return _parts_back(block, part)
   rest_parts = _parts_first(rest, spec.parts - len(spec.take), part)

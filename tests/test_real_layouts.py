@@ -655,12 +655,19 @@ def test_inject_hyperparams_with_preset_mapping_and_callable():
   grads = _random_like(params, seed=11)
   mapping = {r"q_einsum/w$": so.specs.GEMMA_Q,
              r"kv_einsum/w$": so.specs.GEMMA_KV}
+
+  def select(path, leaf):          # the mapping as a callable selector
+    del leaf
+    return (so.specs.GEMMA_Q if path.endswith("/q_einsum/w") else
+            so.specs.GEMMA_KV if path.endswith("/kv_einsum/w") else None)
+
+  assert "gemma" in so.FRAME_PRESETS
   inject = optax.inject_hyperparams(so.stiefel_attention)
   inject_static = optax.inject_hyperparams(so.stiefel_attention,
                                            static_args=("frames",))
   txs = [inject(learning_rate=1e-3, frames="gemma"),
          inject(learning_rate=1e-3, frames=mapping),
-         inject_static(learning_rate=1e-3, frames=so.PRESETS["gemma"])]
+         inject_static(learning_rate=1e-3, frames=select)]
   states = [tx.init(params) for tx in txs]
   for state in states:
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(1e-3)

@@ -358,8 +358,18 @@ def test_errors_name_the_problem(frames):
   tx = muon.stiefel_muon(0.1)
   with pytest.raises(ValueError, match=r"\['bad'\].*r = 8 columns > d = 4"):
     tx.init({"bad": jnp.zeros((4, 8))})
-  with pytest.raises(ValueError, match="needs params"):
+  with pytest.raises(ValueError, match="^stiefel_muon needs params"):
     tx.update(frames(0, (8, 4)), tx.init(frames(0, (8, 4))))
+  # The update's shape is checked as the other transforms check it.
+  msign_tx, w = muon.scale_by_tangent_msign(), {"w": frames(0, (8, 4))}
+  with pytest.raises(ValueError, match=r"^scale_by_tangent_msign: parameter"
+                     r" \['w'\] has shape \(8, 4\) but its update has shape"
+                     r" \(8, 1\)"):
+    msign_tx.update({"w": frames(1, (8, 1))}, msign_tx.init(w), w)
+  with pytest.raises(ValueError, match="^stiefel_muon: msign_steps"):
+    muon.stiefel_muon(0.1, msign_steps=0)
+  with pytest.raises(ValueError, match="^stiefel_muon: retraction"):
+    muon.stiefel_muon(0.1, retraction="svd")
 
 
 # ---------------------------------------------------------------------------

@@ -552,9 +552,9 @@ class ErrorsTest(TestCase):
     tx = all_transforms()[name]
     w = {"w": frames(26, (8, 4))}
     state = tx.init(w)
-    with pytest.raises(ValueError, match="params"):
+    with pytest.raises(ValueError, match=f"^{name} needs params"):
       self.variant(tx.update)(w, state, None)
-    with pytest.raises(ValueError, match="params"):
+    with pytest.raises(ValueError, match=f"^{name} needs params"):
       tx.init(None)
 
 
@@ -773,6 +773,162 @@ def test_one_pass_aliases_take_extra_args_as_the_chain_did():
     assert isinstance(tx, optax.GradientTransformationExtraArgs)
     u, _ = tx.update(normal(47, w.shape), tx.init(w), w, value=1.0)
     chex.assert_tree_all_finite(u)
+
+
+def _project_lead(project):
+  """The lead of `riemannian_sgd`: m = P_W(G), c = 1."""
+  def lead(updates, states, params):
+    g, project_state = project.update(updates, states[0], params)
+    return g, None, (project_state,)
+  return lead
+
+
+@pytest.mark.parametrize("max_step_norm", [None, 0.05])
+def test_one_pass_chain_builds_the_aliases(max_step_norm):
+  """`one_pass_chain` is public: riemannian_sgd written with it is
+  riemannian_sgd, bit for bit, state included."""
+  project = so.project_to_tangent()
+  mine = so.one_pass_chain([project], _project_lead(project), 0.1,
+                           max_step_norm=max_step_norm, name="my_sgd")
+  ref = so.riemannian_sgd(0.1, max_step_norm=max_step_norm)
+  w = frames(48, (2, 16, 4))
+  g = normal(49, w.shape)
+  s_mine, s_ref = mine.init(w), ref.init(w)
+  chex.assert_trees_all_equal(s_mine, s_ref)
+  u_mine, s_mine = jax.jit(mine.update)(g, s_mine, w)
+  u_ref, s_ref = jax.jit(ref.update)(g, s_ref, w)
+  np.testing.assert_array_equal(u_mine, u_ref)
+  chex.assert_trees_all_equal(s_mine, s_ref)
+
+
+def test_one_pass_chain_errors_name_the_optimizer():
+  project = so.project_to_tangent()
+  make = lambda **kw: so.one_pass_chain([project], _project_lead(project),
+                                        0.1, name="my_sgd", **kw)
+  with pytest.raises(ValueError, match="^my_sgd: retraction must be one of"):
+    make(retraction="svd")
+  with pytest.raises(ValueError, match="^my_sgd: max_step_norm must be > 0"):
+    make(max_step_norm=0.0)
+  with pytest.raises(ValueError, match="^my_sgd: max_step_norm must be > 0"):
+    make(max_step_norm=float("inf"))
+  tx, w = make(), {"w": frames(50, (16, 4))}
+  state = tx.init(w)
+  with pytest.raises(ValueError, match="^my_sgd needs params"):
+    tx.init(None)
+  with pytest.raises(ValueError, match="^my_sgd needs params"):
+    tx.update(w, state)
+  with pytest.raises(ValueError, match=r"^my_sgd: parameter \['w'\] has shape"
+                     r" \(16, 4\) but its update has shape \(16, 1\)"):
+    tx.update({"w": normal(51, (16, 1))}, state, w)
+
+
+def test_start_check_runs_once_per_init(monkeypatch):
+  """frame_partition checks the start of every selected kernel, naming its
+  path; the Stiefel chain inside does not check it again. A standalone
+  optimizer checks its own start."""
+  calls = []
+  check_start = so.checks.check_start
+  monkeypatch.setattr(so.checks, "check_start",
+                      lambda name, *a, **k: (calls.append(name),
+                                             check_start(name, *a, **k))[1])
+  kernel = lambda seed: jnp.transpose(frames(seed, (2, 16, 4)), (1, 0, 2))
+  params = {"attn": {"query": {"kernel": kernel(52)},
+                     "key": {"kernel": kernel(53)}},
+            "out": {"kernel": normal(54, (2, 4, 16))}}
+  for tx in (so.stiefel_attention(1e-2), so.stiefel_attention(
+      1e-2, orthonormal_start="project", stack_frames=True),
+             so.stiefel_attention(1e-2, stiefel_tx=so.stiefel_muon(1e-2))):
+    calls.clear()
+    tx.init(params)
+    # One per kernel, by frame_partition (named by path).
+    assert len(calls) == 2 and all(c.startswith("attn/") for c in calls), calls
+  calls.clear()
+  w = frames(55, (2, 16, 4))
+  so.stiefel_adam(1e-2).init(w)
+  assert len(calls) == 1, calls
+  with pytest.raises(ValueError, match=r"stiefel_optax.polar\(w\)"):
+    so.stiefel_adam(1e-2).init(2.0 * w)
+  # "project" through the partition: the inner chain (whose own setting
+  # is "check") is not asked to check frames that are not orthonormal.
+  raw = jax.tree.map(lambda x: 2.0 * x, params)
+  so.stiefel_attention(1e-2, orthonormal_start="project").init(raw)
+  with pytest.raises(ValueError, match="attn/key/kernel: shape"):
+    so.stiefel_attention(1e-2).init(raw)
+
+
+def _attention_tree():
+  kernel = lambda seed: jnp.transpose(frames(seed, (2, 16, 4)), (1, 0, 2))
+  return {"attn": {"query": {"kernel": kernel(56)}},
+          "out": {"kernel": normal(57, (2, 4, 16))}}
+
+
+IGNORED_ARGUMENTS = [
+    # (replaced groups, arguments, the names the message lists)
+    ("stiefel_tx", dict(max_step_norm=0.2), "max_step_norm"),
+    ("stiefel_tx", dict(max_step_norm=0.1), "max_step_norm"),   # the default
+    ("stiefel_tx", dict(max_step_norm=None), "max_step_norm"),
+    ("stiefel_tx", dict(retraction="newton_schulz"), "retraction"),
+    ("stiefel_tx", dict(retraction="eigh", stiefel_learning_rate=1e-3),
+     "stiefel_learning_rate, retraction"),
+    ("stiefel_tx", dict(stiefel_learning_rate=None), "stiefel_learning_rate"),
+    ("euclidean_tx", dict(weight_decay=1e-4), "weight_decay"),
+    ("both", dict(b1=0.9, mu_dtype=None), "b1, mu_dtype"),
+    ("both", dict(eps=1e-8, b2=0.999, weight_decay=0.0),
+     "weight_decay, b2, eps"),
+]
+
+
+def _replaced(which):
+  stiefel, euclid = so.riemannian_sgd(1e-2), optax.sgd(1e-2)
+  return {"stiefel_tx": dict(stiefel_tx=stiefel),
+          "euclidean_tx": dict(euclidean_tx=euclid),
+          "both": dict(stiefel_tx=stiefel, euclidean_tx=euclid)}[which]
+
+
+@pytest.mark.parametrize("which,kw,names", IGNORED_ARGUMENTS)
+def test_stiefel_attention_refuses_what_a_given_transform_ignores(
+    which, kw, names):
+  """With stiefel_tx / euclidean_tx given, the arguments only the replaced
+  transform would take are refused, even passed at their defaults."""
+  with pytest.raises(ValueError,
+                     match=f"^stiefel_attention: {names} would be ignored:"
+                     r".*Pass them to your own transform"):
+    so.stiefel_attention(1e-2, **_replaced(which), **kw)
+
+
+def test_stiefel_attention_takes_what_the_other_group_uses():
+  """The arguments the remaining group uses are taken; the defaults are
+  the values they document; optax.inject_hyperparams injects the same
+  hyperparameters as before, given transforms or not."""
+  params = _attention_tree()
+  grads = jax.tree.map(lambda x: normal(58, x.shape), params)
+  so.stiefel_attention(1e-2, **_replaced("stiefel_tx"), b1=0.8, b2=0.99,
+                       eps=1e-6, weight_decay=0.1, mu_dtype=jnp.bfloat16,
+                       orthonormal_start="project").init(params)
+  so.stiefel_attention(1e-2, **_replaced("euclidean_tx"), b1=0.8,
+                       max_step_norm=0.2, retraction="eigh",
+                       stiefel_learning_rate=1e-3,
+                       mu_dtype=jnp.bfloat16).init(params)
+  explicit = so.stiefel_attention(
+      1e-2, stiefel_learning_rate=None, weight_decay=1e-4, b1=0.9, b2=0.999,
+      eps=1e-8, max_step_norm=0.1, retraction="newton_schulz", mu_dtype=None)
+  default = so.stiefel_attention(1e-2)
+  u_explicit, _ = explicit.update(grads, explicit.init(params), params)
+  u_default, _ = default.update(grads, default.init(params), params)
+  chex.assert_trees_all_equal(u_explicit, u_default)
+
+  inject = optax.inject_hyperparams(so.stiefel_attention)
+  for kw in ({}, _replaced("stiefel_tx"), _replaced("both")):
+    tx = inject(learning_rate=1e-2, **kw)
+    state = tx.init(params)
+    assert set(state.hyperparams) == {"learning_rate", "weight_decay", "b1",
+                                      "b2", "eps", "max_step_norm"}
+    u, _ = jax.jit(tx.update)(grads, state, params)
+    chex.assert_tree_all_finite(u)
+  # What inject_hyperparams passes through untouched is still refused.
+  with pytest.raises(ValueError, match="^stiefel_attention: retraction"):
+    inject(learning_rate=1e-2, retraction="eigh",
+           **_replaced("stiefel_tx")).init(params)
 
 
 def test_stiefel_adam_one_pass_with_injected_hyperparameters():

@@ -1,0 +1,235 @@
+"""Argument and leaf checks of the transforms: one wording for each error.
+
+Every transform of the library validates its options when it is built and
+its leaves at `init` and `update` through these functions, so each mistake
+reads the same wherever it is made: the message starts with the transform's
+name, names the parameter path and the shape that is wrong, and says how to
+fix it. The pure array functions of `geometry` check their own arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stiefel_optax import geometry
+
+ORTHONORMAL_STARTS = ("check", "project")
+
+
+# --------------------------------------------------------------------------
+# Options.
+
+
+def check_choice(name: str, arg: str, value: Any, choices: Sequence) -> None:
+  """Raises ValueError unless `value` is one of `choices`.
+
+  Strings compare by value, anything else by identity (so that 1 is not
+  taken for True).
+  """
+  if not any(value is c or (isinstance(c, str) and isinstance(value, str)
+                            and value == c) for c in choices):
+    raise ValueError(
+        f"{name}: {arg} must be one of {tuple(choices)}; got {value!r}.")
+
+
+def check_count(name: str, arg: str, value: Any) -> None:
+  """Raises ValueError unless `value` is an integer >= 1."""
+  if isinstance(value, bool) or int(value) != value or value < 1:
+    raise ValueError(f"{name}: {arg} must be an integer >= 1; got {value!r}.")
+
+
+def static_float(x) -> Optional[float]:
+  """x as a Python float, or None when it is traced (as
+  `optax.inject_hyperparams` passes hyperparameters under jit)."""
+  try:
+    return float(x)
+  except (jax.errors.ConcretizationTypeError, TypeError):
+    return None
+
+
+def check_radius(name: str, value, arg: str = "max_step_norm",
+                 optional: bool = True) -> Optional[float]:
+  """A trust-region radius, checked: finite and > 0 where it is concrete.
+
+  Returns it as a Python float, or None when it is traced (a radius that
+  `optax.inject_hyperparams` injects); `optional` says in the message that
+  None turns the trust region off.
+  """
+  radius = static_float(value)
+  if radius is not None and not (radius > 0 and np.isfinite(radius)):
+    off = " (or None for no trust region)" if optional else ""
+    raise ValueError(
+        f"{name}: {arg} must be > 0 and finite{off}; got {radius}.")
+  return radius
+
+
+# --------------------------------------------------------------------------
+# Leaves.
+
+
+def leaf_name(name: str, path) -> str:
+  """'name: parameter ['layer']['query']', as every leaf error starts."""
+  return f"{name}: parameter {jax.tree_util.keystr(tuple(path)) or '<root>'}"
+
+
+def kernel_hint(shape) -> str:
+  """The fix for a kernel of rank >= 3 given to a transform over frames."""
+  if len(shape) < 3:
+    return ""
+  return (f" Its last two axes are taken as the frames (d, r) ="
+          f" {tuple(shape[-2:])}; if this is a (d, heads, head_dim) kernel,"
+          " train it through stiefel_optax.stiefel_attention(...,"
+          " frames=...) or frame_partition(tx, None,"
+          " frames=FrameSpec(rows=0, cols=2)).")
+
+
+def require_params(params, name: str) -> None:
+  """Raises ValueError when `params` is None: the Stiefel step needs the
+  current frames."""
+  if params is None:
+    raise ValueError(
+        f"{name} needs params (got None): the current frames W are part of"
+        " the Stiefel step. Call tx.init(params) and tx.update(grads, state,"
+        " params).")
+
+
+def _check_leaf(path, leaf, name: str) -> None:
+  where = leaf_name(name, path)
+  if not hasattr(leaf, "shape"):
+    raise ValueError(f"{where} is {type(leaf).__name__}, not an array.")
+  if not jnp.issubdtype(leaf.dtype, jnp.floating):
+    raise ValueError(
+        f"{where} with shape {tuple(leaf.shape)} has dtype {leaf.dtype}; a"
+        " Stiefel frame must be floating point.")
+  try:
+    geometry.check_frame_shape(leaf.shape, where)
+  except ValueError as err:
+    raise ValueError(f"{err}{kernel_hint(leaf.shape)}") from None
+
+
+def check_frame_leaves(params, name: str) -> None:
+  """Raises ValueError naming the leaf path and shape of any leaf that cannot
+  hold Stiefel frames (rank < 2, r > d, non-float dtype), or for params
+  None."""
+  require_params(params, name)
+  jax.tree_util.tree_map_with_path(
+      lambda p, x: _check_leaf(p, x, name), params)
+
+
+def check_update_shapes(updates, params, name: str) -> None:
+  """Raises ValueError naming the leaf path and both shapes where an update
+  (gradient or step) does not have the shape of its frame: the geometry
+  never broadcasts one against the other."""
+  def check(path, w, u):
+    u_shape, w_shape = getattr(u, "shape", None), getattr(w, "shape", None)
+    if u_shape is not None and w_shape is not None and (
+        tuple(u_shape) != tuple(w_shape)):
+      raise ValueError(
+          f"{leaf_name(name, path)} has shape {tuple(w_shape)} but its"
+          f" update has shape {tuple(u_shape)}; they must be equal.")
+  jax.tree_util.tree_map_with_path(check, params, updates)
+
+
+def check_same_structure(updates, params, name: str) -> None:
+  """Raises ValueError when updates and params are different trees."""
+  if jax.tree.structure(updates) != jax.tree.structure(params):
+    raise ValueError(
+        f"{name}: updates and params have different tree structures:"
+        f" {jax.tree.structure(updates)} vs {jax.tree.structure(params)}."
+        " Pass the gradients of these params.")
+
+
+# --------------------------------------------------------------------------
+# The starting frames.
+
+
+def is_concrete(x) -> bool:
+  """True for an array with values (not traced under jit, not abstract)."""
+  return hasattr(x, "dtype") and not isinstance(
+      x, (jax.core.Tracer, jax.ShapeDtypeStruct))
+
+
+@jax.jit
+def _frame_stats(w):
+  """(isometry error, smallest and largest eigenvalue of W^T W) per frame."""
+  w = w.astype(geometry.compute_dtype(w.dtype))
+  lam = jnp.linalg.eigvalsh(geometry.gram(w))
+  return geometry.isometry_error(w), lam[..., 0], lam[..., -1]
+
+
+def start_tolerance(dtype, r: int) -> float:
+  """Isometry error accepted for a starting frame: 1e-4, or the dtype's
+  rounding (4 sqrt(r) eps) for bf16/f16 frames."""
+  return max(1e-4, 4.0 * np.sqrt(r) * float(jnp.finfo(dtype).eps))
+
+
+def check_start(name: str, frames, orthonormal_start: str = "check",
+                fix: str = "", hint: str = "") -> None:
+  """Raises ValueError, starting with `name`, when frames (..., d, r) hold a
+  rank-deficient frame, or (orthonormal_start="check") one that is not
+  orthonormal to `start_tolerance`. Skipped for traced frames (init under
+  jit): the retraction then keeps them finite and lands them on the
+  manifold. `fix` ends the not-orthonormal message (how to orthonormalize),
+  `hint` both messages.
+  """
+  if not is_concrete(frames):
+    return
+  iso, lo, hi = (np.asarray(v) for v in _frame_stats(frames))
+  r = frames.shape[-1]
+  eps = float(jnp.finfo(geometry.compute_dtype(frames.dtype)).eps)
+  deficient = lo <= r * eps * hi
+  if deficient.any():
+    idx = tuple(int(i) for i in np.argwhere(deficient)[0])
+    raise ValueError(
+        f"{name}: frame {idx} is rank-deficient (smallest singular value"
+        f" {np.sqrt(max(float(lo[idx]), 0.0)):.3g}, largest"
+        f" {np.sqrt(max(float(hi[idx]), 0.0)):.3g}), so no orthonormal frame"
+        " is near it. Reinitialise it (e.g. stiefel_optax.random_frames)"
+        f" before training.{hint}")
+  tol = start_tolerance(frames.dtype, r)
+  if orthonormal_start == "check" and not iso.max() <= tol:
+    idx = tuple(int(i) for i in np.unravel_index(iso.argmax(), iso.shape))
+    raise ValueError(
+        f"{name}: not orthonormal (isometry error ||W^T W - I||_F ="
+        f" {float(iso.max()):.3g} at frame {idx}, tolerance {tol:.3g}). {fix}"
+        "Or pass orthonormal_start='project' to retract the first step onto"
+        f" the manifold (this changes the model's function at that step).{hint}")
+
+
+_START_CHECKED = contextvars.ContextVar("stiefel_optax_start_checked",
+                                        default=False)
+
+
+@contextlib.contextmanager
+def start_checked():
+  """Within this context `check_start_leaves` skips the start check: the
+  caller (`frame_partition`) has checked the same frames, naming their
+  kernels, so the check runs once per init. The leaf checks still run."""
+  token = _START_CHECKED.set(True)
+  try:
+    yield
+  finally:
+    _START_CHECKED.reset(token)
+
+
+def check_start_leaves(params, name: str, orthonormal_start: str) -> None:
+  """The init check of a chain's first link: every leaf can hold frames
+  (`check_frame_leaves`), and its frames are a valid start (`check_start`),
+  each error naming the leaf."""
+  check_frame_leaves(params, name)
+  if _START_CHECKED.get():
+    return
+
+  def check(path, w):
+    check_start(f"{leaf_name(name, path)} (shape {tuple(w.shape)})", w,
+                orthonormal_start,
+                fix="Orthonormalize it first (stiefel_optax.polar(w)). ",
+                hint=kernel_hint(w.shape))
+
+  jax.tree_util.tree_map_with_path(check, params)
