@@ -4,7 +4,9 @@ conventions and the generated sections of RESULTS.md (the study itself,
 tuning, plan and runner, is `benchmarks.study`).
 
 Identity. A saved run is reused (not trained again) only if its `identity`
-equals `identity(config, data)` of the run about to be made: a hash of the
+equals `run_identity(config, data)` of the run about to be made (the one
+identity every experiment computes, from its configuration as a run records
+it, `Config.to_dict()`, and its data's content id): a hash of the
 configuration's content, the data's md5 (never its path) and the library's
 numerics version (`stiefel_optax.NUMERICS_VERSION`: the release whose
 numbers the code reproduces, bumped only when what the library computes
@@ -94,7 +96,8 @@ def versions() -> dict:
           "numerics_version": numerics_version()}
 
 
-def identity(config: Mapping, data: str, version: Optional[str] = None) -> str:
+def run_identity(config: Mapping, data: str,
+                 version: Optional[str] = None) -> str:
   """The run identity: configuration content, data id (its md5) and the
   library's numerics version. Never a path, a hostname or a code hash."""
   return digest({"config": config, "data": data,
@@ -112,7 +115,7 @@ def matches(rec: Mapping, config: Optional[Mapping] = None,
             data: Optional[str] = None) -> bool:
   """Whether a saved run's identity is that of `config` (default: its own)
   and `data` under the numerics version it records (`recorded_version`)."""
-  return rec.get("identity") == identity(
+  return rec.get("identity") == run_identity(
       rec.get("config") if config is None else config,
       rec.get("data") if data is None else data, recorded_version(rec))
 
@@ -263,7 +266,8 @@ def finished_runs(records: Iterable[dict], current_version: bool) -> dict:
   (what a study reuses instead of training again, as RunStore.load with
   the current identity does) or under the version each one records
   (`matches`: what a report shows)."""
-  ok = ((lambda r: r.get("identity") == identity(r["config"], r["data"]))
+  ok = ((lambda r: r.get("identity") == run_identity(r["config"],
+                                                      r["data"]))
         if current_version else matches)
   return {r["name"]: r for r in records
           if r.get("final") is not None and ok(r)}

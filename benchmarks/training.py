@@ -1,7 +1,11 @@
 """The one training loop every benchmark runs (`train_chunk`), the one
 resumable, checkpointed run around it (`train_run`: grokking's and the
-LM's), the one evaluation of a classifier's logits and the one Muon
-baseline of the attention benchmarks (`per_head_muon`).
+LM's), the one evaluation of a classifier's logits, and the arms: the one
+record of an arm (`Arm`, what each experiment's registry `ARMS = {name:
+Arm(...)}` holds), the Q/K recipes the experiments share (`qk_stiefel`,
+`qk_rsgd`, ...; the Muon baseline `per_head_muon`) and an arm's optimizer
+(`arm_optimizer`: its recipe on the Q/K frames, the experiment's AdamW on
+the rest).
 
 A chunk is `k` optimizer steps in one `lax.scan`: per step
 
@@ -40,13 +44,14 @@ import contextlib
 import os
 import pathlib
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+import stiefel_optax as so
 from benchmarks import harness
 
 
@@ -130,6 +135,89 @@ def loss_and_accuracy(logits: jax.Array, labels: jax.Array):
   loss = optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jnp.float32), labels).mean()
   return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
+
+
+# --------------------------------------------------------------------------
+# The arms: one record, the shared Q/K recipes, an arm's optimizer.
+
+
+class Arm(NamedTuple):
+  """One arm as its experiment's registry lists it (`ARMS = {name: Arm(...)}`
+  in each experiment's arms.py): what its runs do otherwise than the other
+  arms' (the same data, seeds, batches and initialisation elsewhere).
+
+  qk: the Q/K frames' optimizer, qk(lr, **hyperparameters) (each recipe
+    takes the keywords it reads: `qk_stiefel`, `qk_rsgd`, ... below), with
+    the experiment's AdamW on every other weight (`arm_optimizer`); None:
+    that AdamW on every weight, the Q/K kernels included.
+  orthonormal: the Q/K frames start at the polar factor (the nearest
+    orthonormal frame) of the seed's initialisation; else as initialised
+    (a recipe then runs unconstrained, or retracts at its first step).
+  qk_norm: the model normalises each head's queries and keys.
+  qk_clip: MuonClip's QK-clip after each step (the LM's `qk_clip`).
+  frames: the Q/K frame selector (None: the experiment's, one frame per
+    head).
+  fixed: ((name, value), ...) hyperparameters of its recipe that are not
+    tuned (e.g. eps), recorded with each run.
+  fields: the configuration fields only this arm reads, its Q/K learning
+    rate first (where a configuration holds every arm's fields: the LM
+    keeps them out of the other arms' identity).
+  """
+  qk: Optional[Callable[..., optax.GradientTransformation]] = None
+  orthonormal: bool = False
+  qk_norm: bool = False
+  qk_clip: bool = False
+  frames: Any = None
+  fixed: tuple = ()
+  fields: tuple = ()
+
+
+def qk_adamw(lr, *, weight_decay, **_):
+  """AdamW on the Q/K frames, the same as on the rest of the model."""
+  return optax.adamw(lr, weight_decay=weight_decay)
+
+
+def qk_stiefel(lr, *, b1=0.9, b2=0.999, eps=1e-8,
+               cap=so.aliases.DEFAULT_MAX_STEP_NORM, **_):
+  """Stiefel-Adam: project, one scalar v per frame, lr, cap, retract."""
+  return so.stiefel_adam(lr, b1, b2, eps, max_step_norm=cap)
+
+
+def qk_rsgd(lr, **_):
+  """Fixed-step Riemannian SGD: W+ = polar(W - lr P_W(G))."""
+  return so.riemannian_sgd(lr)
+
+
+def qk_stiefel_muon(lr, **_):
+  """Manifold Muon: polar(W - lr P_W(msign(tangent momentum)))."""
+  return so.stiefel_muon(lr)
+
+
+def qk_muon(lr, *, weight_decay, **_):
+  """optax.contrib.muon on each head's (d, head_dim) view, unconstrained
+  (`per_head_muon`)."""
+  return per_head_muon(lr, weight_decay)
+
+
+def arm_optimizer(arm: Arm, rest: optax.GradientTransformation, lr,
+                  frames: Any = None, **hp) -> optax.GradientTransformation:
+  """The arm's optimizer: `rest` (the experiment's AdamW) on every weight
+  where arm.qk is None; else arm.qk(lr, **fixed, **hp) on the Q/K frames
+  (arm.frames, else `frames`) and `rest` on every other weight
+  (`so.frame_partition`), the frames checked orthonormal at init where the
+  arm starts them so, else retracted (or left) as the recipe does.
+
+  >>> import optax
+  >>> rest = optax.adamw(1e-3)
+  >>> arm_optimizer(Arm(), rest, 1e-3) is rest
+  True
+  """
+  if arm.qk is None:
+    return rest
+  return so.frame_partition(
+      arm.qk(lr, **{**dict(arm.fixed), **hp}), rest,
+      frames if arm.frames is None else arm.frames,
+      orthonormal_start="check" if arm.orthonormal else "project")
 
 
 def per_head_muon(learning_rate, weight_decay: float

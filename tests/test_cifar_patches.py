@@ -60,8 +60,8 @@ def test_any_npz_path_is_a_source_named_by_content(tmp_path):
   two = cifar_data.load_cifar10(str(tmp_path / "b/two.npz"), verify_md5=False)
   np.testing.assert_array_equal(one.x_test, ds.x_test)
   assert one.source == two.source and one.source.startswith("subset:md5=")
-  assert cp.fingerprint(cp.Config(), one.source) == cp.fingerprint(
-      cp.Config(), two.source)
+  assert harness.run_identity(cp.Config().to_dict(), one.source) == (
+      harness.run_identity(cp.Config().to_dict(), two.source))
   with pytest.raises(ValueError, match="md5"):
     cifar_data.load_cifar10(tmp_path / "a/one.npz")
 
@@ -148,7 +148,7 @@ def test_paired_init_shares_non_qk_parameters():
 
 
 RETRACTING = [a for a, arm in cp.ARMS.items()
-              if arm.recipe not in (cp.qk_adamw, cp.qk_muon)]
+              if arm.qk not in (cp.qk_adamw, cp.qk_muon)]
 
 
 @pytest.mark.parametrize("name", RETRACTING)
@@ -157,7 +157,7 @@ def test_recipes_keep_frames_orthonormal(name):
   hp = {"lr": 0.05, "cap": 0.1}
   kw = dict(arm.fixed)
   kw.update(cap=hp["cap"])
-  tx = arm.recipe(hp["lr"], weight_decay=0.1, **kw)
+  tx = arm.qk(hp["lr"], weight_decay=0.1, **kw)
   w = jnp.asarray(np_frames(1, (3, 12, 4), np.float32))
   state = tx.init(w)
   w0 = w
@@ -173,14 +173,14 @@ def test_recipes_keep_frames_orthonormal(name):
 def test_an_arm_brings_the_arms_it_builds_on(tmp_path):
   # every arm trains on adamw's choice; an ablation takes stiefel's
   deps = lambda names: [a.name for a in study_lib.with_dependencies(
-      cp.study_arms(cp.ARMS), names)]
+      cp.study_arms(), names)]
   assert deps(["no_cap"]) == ["adamw", "stiefel", "no_cap"]
   assert deps(["eps_0.1", "rsgd", "adamw"]) == [
       "adamw", "stiefel", "rsgd", "eps_0.1"]
   with pytest.raises(ValueError, match="unknown arms"):
     deps(["sgd"])
   # they join for their choice only: tuned, not paired
-  cfg = cp.quick_config()
+  cfg = cp.PRESETS["quick"]
   bench = cp.Bench(cifar_data.synthetic(448, cfg.val_size), cfg, tmp_path)
   st = bench.study([384], (0,), (0,), ["no_cap"])
   assert [(a.name, a.paired) for a in st.arms] == [
@@ -200,12 +200,12 @@ def test_competitor_arms_train(tmp_path):
   (lr, weight decay) trains qk_norm here; tests/test_lm.py also trains
   orthogonal_init in the LM's quick study and steps stiefel_muon through
   stiefel_attention on the manifold."""
-  cfg = cp.quick_config()
+  cfg = cp.PRESETS["quick"]
   data = cifar_data.synthetic(448, cfg.val_size)
   inherit = {"adamw": {"lr": 3e-3, "weight_decay": 0.05},
              "muon": {"lr": 3e-3},
              "qk_norm": {"lr": 1e-2, "weight_decay": 0.01}}
-  bench = cp.Bench(data, cfg, tmp_path, cp.ARMS, inherit)
+  bench = cp.Bench(data, cfg, tmp_path, inherit=inherit)
   study, runs = bench.study(), bench.finished()
   recs = {a: bench.execute(study_lib.paired_task(study, runs, a, 0, 384))
           for a in inherit if a != "adamw"}
@@ -276,10 +276,11 @@ def test_paired_statistics_and_sections(tmp_path):
 
 
 def test_arms_get_the_same_grid_density_and_three_tuning_seeds():
+  grids = {a.name: a.axes for a in cp.study_arms()}
   for name in ("adamw", "stiefel", "rsgd"):   # 3 points per hyperparameter
-    assert all(len(v) == 3 for _, v in cp.ARMS[name].grid)
-  assert [a for a, _ in cp.ARMS["adamw"].grid] == ["lr", "weight_decay"]
-  assert [a for a, _ in cp.ARMS["stiefel"].grid] == ["lr", "cap"]
+    assert all(len(v) == 3 for _, v in grids[name])
+  assert [a for a, _ in grids["adamw"]] == ["lr", "weight_decay"]
+  assert [a for a, _ in grids["stiefel"]] == ["lr", "cap"]
   assert len(cp.Config().tune_seeds) >= 3
 
 
@@ -465,14 +466,14 @@ def test_seeds_identity_and_run_store(tmp_path):
     cp.parse_args(["--seeds", "x"])
   # identity: content only; the version enters, paths never do
   cfg = {"a": 1}
-  assert harness.identity(cfg, "d:md5=1") == harness.identity(dict(cfg), "d:md5=1")
-  assert harness.identity(cfg, "d:md5=1") != harness.identity(cfg, "d:md5=2")
-  assert harness.identity(cfg, "d", "0.1.0") != harness.identity(cfg, "d", "9")
+  assert harness.run_identity(cfg, "d:md5=1") == harness.run_identity(dict(cfg), "d:md5=1")
+  assert harness.run_identity(cfg, "d:md5=1") != harness.run_identity(cfg, "d:md5=2")
+  assert harness.run_identity(cfg, "d", "0.1.0") != harness.run_identity(cfg, "d", "9")
   assert set(harness.machine()) == {"cpus", "usable_cpus", "arch", "platform",
                                     "python", "jax", "jaxlib", "backend"}
   # atomic writes leave no temporary behind; the store checks identity
   store = harness.RunStore(tmp_path / "x")
-  rec = {"identity": harness.identity(cfg, "d", "0.1.0"), "config": cfg,
+  rec = {"identity": harness.run_identity(cfg, "d", "0.1.0"), "config": cfg,
          "data": "d", "library_version": "0.1.0"}
   store.save("r", rec)
   assert [p.name for p in store.dir.iterdir()] == ["r.json"]
@@ -482,9 +483,9 @@ def test_seeds_identity_and_run_store(tmp_path):
   # The numerics version, not the release, is the identity's: a run of a
   # release with the same numerics (0.4.0 over 0.3.0) keeps matching, and a
   # record older than 0.4.0 (its release only) matches under that release.
-  assert harness.identity(cfg, "d") == harness.identity(
+  assert harness.run_identity(cfg, "d") == harness.run_identity(
       cfg, "d", so.NUMERICS_VERSION)
-  new = {"identity": harness.identity(cfg, "d"), "config": cfg, "data": "d",
+  new = {"identity": harness.run_identity(cfg, "d"), "config": cfg, "data": "d",
          **harness.versions()}
   assert new["numerics_version"] == so.NUMERICS_VERSION
   assert new["library_version"] == so.__version__
@@ -524,7 +525,8 @@ def test_quick_end_to_end_and_resume(tmp_path, capsys):
   rec = json.loads((out / "runs" / "stiefel__n384__s0.json").read_text())
   assert rec["data"].startswith("synthetic:0:md5=") and rec["qk_isometry_error"] < 1e-4
   assert rec["hp"] and rec["base"]["lr"] > 0 and rec["base"]["weight_decay"] > 0 and len(rec["test_curve"]) == 2
-  assert rec["identity"] == cp.fingerprint(cp.quick_config(), rec["data"])
+  assert rec["identity"] == harness.run_identity(
+      cp.PRESETS["quick"].to_dict(), rec["data"])
   assert rec["library_version"] == so.__version__
   assert rec["code_hash"] == harness.code_hash()
   assert set(rec["machine"]) == set(harness.machine())   # no hostname

@@ -151,7 +151,9 @@ def test_tiny_study_end_to_end_and_resume(tiny_study, tmp_path):
   runs = sorted(p.name for p in (out / "runs").glob("*.json"))
   assert runs[0] == "adamw_seed0.json" and len(runs) == 2 * 2 + 2
   rec = json.loads((out / "runs" / runs[0]).read_text())
-  assert rec["identity"] == grokking.run_identity(TINY_CFG)
+  ident = harness.run_identity(TINY_CFG.to_dict(),
+                               data.data_id(TINY_CFG.p, TINY_CFG.op))
+  assert rec["identity"] == ident
   assert rec["library_version"] == so.__version__
   assert rec["trained_by"][0]["code_hash"] == harness.code_hash()
   assert "/tmp" not in json.dumps(rec)        # no machine path
@@ -173,7 +175,7 @@ def test_tiny_study_end_to_end_and_resume(tiny_study, tmp_path):
   rec["identity"] = "other"
   (out / "runs" / runs[0]).write_text(json.dumps(rec))
   run = grokking.train_run(TINY_CFG, "adamw", 0, 20, out)
-  assert run["identity"] == grokking.run_identity(TINY_CFG)
+  assert run["identity"] == ident
   assert len(run["trained_by"]) == 1
 
 
@@ -203,7 +205,8 @@ def test_results_section_from_template(tiny_study, tmp_path):
 def test_default_output_is_outside_the_tracked_tree():
   cfg, study, out, _ = grokking.configure(grokking.parse_args([]))
   assert out == harness.RUNS_ROOT / "grokking" / "default"
-  assert study == grokking.DEFAULT_STUDY and cfg == grokking.Config()
+  assert study == grokking.STUDIES["default"] and cfg == grokking.Config()
+  assert cfg == grokking.PRESETS["default"]
   quick = grokking.configure(grokking.parse_args(["--quick", "--seeds", "3,5"]))
   assert quick[1].seeds == (3, 5) and quick[2].name == "quick"
   ignore = (harness.REPO / ".gitignore").read_text().split()

@@ -25,10 +25,7 @@ import benchmarks.lm.arms
 import benchmarks.lm.cli
 import benchmarks.lm.config
 import benchmarks.lm.data
-import benchmarks.lm.estimate
 import benchmarks.lm.model
-import benchmarks.lm.report
-import benchmarks.lm.steps
 import benchmarks.lm.study
 import benchmarks.lm.timing
 import benchmarks.lm.train
@@ -130,7 +127,7 @@ def _thirds(params, path="h_0/attn/c_attn/kernel"):
 def test_stiefel_arm_keeps_qk_orthonormal_and_v_on_adamw():
   cfg = dataclasses.replace(Q, arm="stiefel", stiefel_learning_rate=0.1)
   start = _params("stiefel")
-  sel = lm.model.frames(cfg)
+  sel = lm.arms.frames(cfg)
   assert float(so.max_isometry_error(start, sel)) < 1e-5
   grads = [_random_grads(start, i) for i in range(3)]
   runs = {}
@@ -179,7 +176,7 @@ def test_muon_arm_is_optax_muon_on_each_head():
 @pytest.fixture
 def fast_compile(monkeypatch):
   """Toy sizes: skip LLVM's optimisation (most of the compile time)."""
-  caches = (lm.steps.chunk_fn, lm.steps.estimate_fn, lm.steps.full_loss_fn)
+  caches = (lm.train.chunk_fn, lm.train.estimate_fn, lm.train.full_loss_fn)
   monkeypatch.setattr(training, "COMPILER_OPTIONS",
                       {"xla_backend_optimization_level": 0})
   for c in caches:
@@ -359,7 +356,7 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
   confirmation (the main arms' pairs before the others' tuning), the
   non-Q/K AdamW at adamw's choice; the committed runs'
   names (their identity) unchanged; and the time estimate."""
-  st, data = lm.study.STUDY, lm.report.study_data([])
+  st, data = lm.study.STUDY, lm.study.study_data([])
   for arm in st.arms:
     for _, vals in arm.axes:
       assert len(vals) == 3
@@ -431,25 +428,25 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
           + abs(ll(c.max_step_norm / 0.3)))
   names = {name(t) for t in lm.study.plan(
       st, _fake_runs(st, data, near, ("adamw", "stiefel")), data)}
-  committed = {p.stem for p in (lm.cli.REFERENCE_DIR / "runs").glob("*.json")}
+  committed = {p.stem for p in (lm.study.REFERENCE_DIR / "runs").glob("*.json")}
   assert {"adamw_seed0_85bd1ed3", "stiefel_seed3_7d17bf48",
           "stiefel_seed100_f83e6c5e", "stiefel_seed100_2fa4f422"} <= (
               names & committed)
   # the estimate: at 0.125 s per iteration (a 2,000-iteration run in 250 s)
-  rec = dict(config=lm.config.identity_config(lm.config.CPU), wall_s=250.0,
+  rec = dict(config=lm.config.CPU.to_dict(), wall_s=250.0,
              final=dict(step=2000))
-  est = lm.estimate.estimate(st, {}, data, lm.timing.iteration_rates([rec]))
+  est = lm.timing.estimate(st, {}, data, lm.timing.iteration_rates([rec]))
   assert est["total_runs"] == 231
   assert est["total_seconds"] == 0.125 * (4 * 2000 + 135 * 500 + 92 * 2000)
   assert est["widening_runs"] == 4 * 27 * 3 + 3 * 3 * 3
-  assert "231 runs to do" in lm.estimate.estimate_text(st, est, 1)
-  assert "9.0 h" in lm.estimate.estimate_text(st, est, 1)
+  assert "231 runs to do" in lm.timing.estimate_text(st, est, 1)
+  assert "9.0 h" in lm.timing.estimate_text(st, est, 1)
   # from a probe: one compilation per configuration, not per run
   whole = lm.study.remaining(st, {}, data, assume=True)
-  probed = lm.estimate.estimate(st, {}, data, {}, probed=(0.1, 10.0))
+  probed = lm.timing.estimate(st, {}, data, {}, probed=(0.1, 10.0))
   assert probed["total_seconds"] == pytest.approx(
       lm.timing.projected_seconds([cfg(t) for t in whole], 0.1, 0.0)
-      + 10.0 * len({lm.steps.train_config(cfg(t)) for t in whole}))
+      + 10.0 * len({lm.train.train_config(cfg(t)) for t in whole}))
 
 
 def test_default_output_is_git_ignored():
@@ -493,7 +490,7 @@ def test_accelerator_script_toy(tmp_path):
 def test_other_arms_build_and_keep_their_constraints():
   params = _params("stiefel")
   grads = _random_grads(params, 0)
-  sel = lm.model.frames(Q)
+  sel = lm.arms.frames(Q)
   for arm in ("rsgd", "stiefel_muon"):   # frames stay on the manifold
     tx = lm.arms.make_optimizer(dataclasses.replace(Q, arm=arm))
     u, _ = jit(tx.update)(grads, tx.init(params), params)

@@ -67,7 +67,7 @@ def block_shapes(i, d, heads, mlp, biases):
 
 def test_cifar_model_is_the_recorded_one():
   mcfg = cp.Config().model
-  # Part of every CIFAR run's identity (cifar_patches.config.fingerprint).
+  # Part of every CIFAR run's identity (its Config.to_dict()).
   assert dataclasses.asdict(mcfg) == dict(patch=4, dim=64, heads=4, depth=2,
                                           mlp_ratio=2, num_classes=10)
   model = mcfg.build()
@@ -169,7 +169,7 @@ CASES = {
         d_model=16, num_heads=2, d_mlp=32, num_classes=7, depth=2,
         vocab_size=9, seq_len=5, layer_norm=True, attn_bias=True,
         head_bias=True),
-    "cifar_quick": cp.quick_config().model.config(),
+    "cifar_quick": cp.PRESETS["quick"].model.config(),
     "causal_lm": models.TransformerConfig(     # speed's LM
         d_model=16, num_heads=4, d_mlp=32, num_classes=9, depth=2,
         vocab_size=9, seq_len=6, activation="gelu", layer_norm=True,

@@ -27,42 +27,54 @@ seeds are the defaults: the main arms (adamw, stiefel, rsgd) at discovery
 seeds 0-7 and confirmation seeds 500-507 at every n, the other arms at 0-5
 and 500-505 at the largest n, all fixed before any run.
 
-One module per concept:
+The modules, as every experiment has them (config, arms, data, train,
+study, cli; the model is `benchmarks.models`' patch transformer):
 
-    config.py   `Config` and its quick preset, the runs' identity
-                (`fingerprint`) and a run's file name (`run_name`)
+    config.py   `Config`, its presets (`PRESETS`: default, quick) and a
+                run's file name (`run_name`)
+    arms.py     the arms (`ARMS`: name -> `benchmarks.training.Arm`): each
+                one's Q/K recipe, start and frame layout, and an arm's
+                whole-model optimizer
     data.py     the CIFAR-10 sources (the official batches, the subset's
                 .npz, synthetic images), the validation split and each
                 seed's paired stream
-    arms.py     each arm's Q/K recipe, start, frame layout and grid, the
-                registry `ARMS`, and an arm's whole-model optimizer
     train.py    a run's start, its jitted epoch and evaluation, `Trainer`
                 (the images on device; one run, epoch by epoch)
-    study.py    the arms' groups and seeds, the report's families, `Bench`
-                (the study's runs planned, read, written and timed), the
-                lines a study prints
+    study.py    the arms' groups (each arm's tuning grid) and seeds, the
+                report's families, `Bench` (the study's runs planned, read,
+                written and timed), the lines a study prints
     cli.py      the command line: plan and estimate, the runs, the report
 
-The model is `benchmarks.models`' patch transformer; run stores, identities
-and the machine record are `benchmarks.harness`'s; the scanned epoch and
-the per-head Muon are `benchmarks.training`'s; the plan, estimate and
-runner are `benchmarks.study`'s; the tables and the RESULTS.md section are
-`benchmarks.reports.cifar`'s.
+Run stores, identities (`harness.run_identity`) and the machine record are
+`benchmarks.harness`'s; the scanned epoch, the arm record and the shared
+Q/K recipes (the per-head Muon among them) are `benchmarks.training`'s;
+the plan, estimate and runner are `benchmarks.study`'s; the tables and the
+RESULTS.md section are `benchmarks.reports.cifar`'s.
 """
 
-# The names of the one module this package was, so that the code using them
-# (the tests) keeps `from benchmarks import cifar_patches as cp; cp.ARMS`.
+# The names the code using this package (the tests) reads, e.g.
+# `from benchmarks import cifar_patches as cp; cp.ARMS`.
 from benchmarks.cifar_patches.arms import (
-    ARMS, BASE_KEYS, PER_HEAD, WHOLE_FRAME, Arm, frames_of, make_arms,
-    make_tx, qk_adamw, qk_frozen, qk_muon, qk_no_cap, qk_no_projection,
+    ARMS, BASE_KEYS, PER_HEAD, WHOLE_FRAME, frames_of, make_optimizer,
+    qk_adamw, qk_frozen, qk_muon, qk_no_cap, qk_no_projection,
     qk_per_coordinate, qk_rsgd, qk_stiefel, qk_stiefel_muon, schedule)
 from benchmarks.cifar_patches.cli import main, parse_args
-from benchmarks.cifar_patches.config import (Config, Task, fingerprint,
-                                             quick_config, run_name)
+from benchmarks.cifar_patches.config import PRESETS, Config, Task, run_name
 from benchmarks.cifar_patches.data import seed_stream, validation_split
 from benchmarks.cifar_patches.study import (GROUPS, MAIN_SEEDS, OTHER_SEEDS,
                                             Bench, describe, estimate_text,
-                                            families, study_arms)
+                                            families, quick_groups,
+                                            study_arms)
 from benchmarks.cifar_patches.train import (Trainer, init_params,
                                             make_epoch_fn, make_eval_fn,
                                             normalize, orthonormal_start)
+
+__all__ = ["ARMS", "BASE_KEYS", "GROUPS", "MAIN_SEEDS", "OTHER_SEEDS",
+           "PER_HEAD", "PRESETS", "WHOLE_FRAME", "Bench", "Config", "Task",
+           "Trainer", "describe", "estimate_text", "families", "frames_of",
+           "init_params", "main", "make_epoch_fn", "make_eval_fn",
+           "make_optimizer", "normalize", "orthonormal_start", "parse_args",
+           "qk_adamw", "qk_frozen", "qk_muon", "qk_no_cap",
+           "qk_no_projection", "qk_per_coordinate", "qk_rsgd", "qk_stiefel",
+           "qk_stiefel_muon", "quick_groups", "run_name", "schedule",
+           "seed_stream", "study_arms", "validation_split"]

@@ -13,9 +13,10 @@ import benchmarks.cifar_patches
 from benchmarks import harness, study as study_lib
 from benchmarks.cifar_patches import data as cifar_data
 from benchmarks.cifar_patches.arms import ARMS
-from benchmarks.cifar_patches.config import Config, quick_config
-from benchmarks.cifar_patches.study import (MAIN_SEEDS, OTHER_SEEDS, Bench,
-                                            describe, estimate_text, families)
+from benchmarks.cifar_patches.config import PRESETS
+from benchmarks.cifar_patches.study import (GROUPS, MAIN_SEEDS, OTHER_SEEDS,
+                                            Bench, describe, estimate_text,
+                                            families, quick_groups)
 from benchmarks.reports import cifar as report_lib
 
 
@@ -60,25 +61,22 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
+  cfg = PRESETS["quick" if args.quick else "default"]
   if args.quick:
-    cfg = quick_config()
     data = cifar_data.synthetic(448, cfg.val_size)
     sizes = args.sizes or [len(data.x_train) - cfg.val_size]
     arms = args.arms or ["adamw", "stiefel"]
     seeds, other_seeds = args.seeds or (0, 1), args.other_seeds or (0, 1)
     out = args.out or harness.default_out("cifar_quick")
-    registry = {k: v._replace(grid=tuple((a, vals[:1]) for a, vals in v.grid)
-                              if v.grid else v.grid)
-                for k, v in ARMS.items()}
+    groups = quick_groups()
   else:
-    cfg = Config()
     data = cifar_data.load_cifar10(args.data, download_missing=args.download)
     sizes = args.sizes or [1000, 4000, len(data.x_train)]
     arms = args.arms or list(ARMS)
     seeds = args.seeds or MAIN_SEEDS
     other_seeds = args.other_seeds or OTHER_SEEDS
     out = args.out or harness.default_out("cifar")
-    registry = ARMS
+    groups = GROUPS
   if args.epochs:
     cfg = dataclasses.replace(cfg, epochs=args.epochs)
   model = {k: v for k, v in (("dim", args.dim), ("heads", args.heads),
@@ -88,7 +86,7 @@ def main(argv=None) -> dict:
   inherit = None
   if args.hp_from:
     inherit = json.loads((args.hp_from / "summary.json").read_text())["chosen"]
-  bench = Bench(data, cfg, out, registry, inherit,
+  bench = Bench(data, cfg, out, groups, inherit,
                 harness.portable(args.hp_from) if args.hp_from else None)
   if not args.report_only:
     study, runs = bench.study(sizes, seeds, other_seeds, arms), bench.finished()
@@ -103,16 +101,16 @@ def main(argv=None) -> dict:
     study_lib.run_study(   # the plan asked anew after each run
         lambda: study_lib.remaining(study, runs), bench.execute,
         on_paired=lambda: report_lib.report(   # the tables so far
-            out, families(ARMS), data.source, cfg.to_dict(), plots=False),
+            out, families(), data.source, cfg.to_dict(), plots=False),
         desc="cifar", describe=describe, expected_s=bench.expected_s,
         time_budget=args.time_budget)
     print(f"sweep wall time {time.time() - t0:.0f}s", flush=True)
   # --report-only reports the folder's runs under their own configuration
   # (a reference folder holds one: the tiny protocol's, the main one's).
-  summary = report_lib.report(out, families(ARMS), data.source,
+  summary = report_lib.report(out, families(), data.source,
                               None if args.report_only else cfg.to_dict())
   if args.results_md:
-    report_lib.write_section(args.results_md, summary, out, families(ARMS),
+    report_lib.write_section(args.results_md, summary, out, families(),
                              data.source)
   print(f"results: {out}")
   return summary

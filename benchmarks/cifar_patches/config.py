@@ -1,11 +1,12 @@
 """What a run's result depends on besides its arm, hyperparameters, seed
-and n: `Config` and its quick preset, the runs' identity and a run's name."""
+and n: `Config`, its presets, and a run's name (the runs' identity:
+`harness.run_identity(cfg.to_dict(), data source)`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from benchmarks import harness, study as study_lib
+from benchmarks import study as study_lib
 from benchmarks.models import PatchViTConfig
 
 Task = study_lib.Task
@@ -23,19 +24,15 @@ class Config:
   tune_seeds: tuple = (1000, 1001, 1002)
   max_extensions: int = 3
 
-  def to_dict(self):
+  def to_dict(self) -> dict:
+    """The configuration as a run records it and its identity hashes it."""
     return dataclasses.asdict(self)
 
 
-def quick_config() -> Config:
-  return Config(model=PatchViTConfig(dim=16, heads=2, depth=1, mlp_ratio=2),
-                batch=32, epochs=2, val_size=64, tune_seeds=(1000,))
-
-
-def fingerprint(cfg: Config, source: str) -> str:
-  """The runs' identity: configuration, data content id (md5) and library
-  version; runs with another identity are not reused."""
-  return harness.identity(cfg.to_dict(), source)
+DEFAULT = Config()
+QUICK = Config(model=PatchViTConfig(dim=16, heads=2, depth=1, mlp_ratio=2),
+               batch=32, epochs=2, val_size=64, tune_seeds=(1000,))
+PRESETS = {"default": DEFAULT, "quick": QUICK}
 
 
 def run_name(task: Task) -> str:

@@ -1,6 +1,7 @@
-"""The study (`benchmarks.study`): which arms, tuned and paired how, and
-the report's families of comparisons; `Bench`, the study's runs planned,
-read from and written to <out>/runs/, and timed; the lines a study prints."""
+"""The study (`benchmarks.study`): which arms, tuned and paired how
+(`GROUPS`: each arm's tuning grid, group by group), and the report's
+families of comparisons; `Bench`, the study's runs planned, read from and
+written to <out>/runs/, and timed; the lines a study prints."""
 
 from __future__ import annotations
 
@@ -12,36 +13,65 @@ import numpy as np
 
 from benchmarks import harness, study as study_lib
 from benchmarks.cifar_patches.arms import ARMS, BASE_KEYS
-from benchmarks.cifar_patches.config import Config, Task, fingerprint, run_name
+from benchmarks.cifar_patches.config import Config, Task, run_name
 from benchmarks.cifar_patches.data import Dataset
 from benchmarks.cifar_patches.train import Trainer
+from benchmarks.study import Arm
 
 # --------------------------------------------------------------------------
 # The study (`benchmarks.study`): which arms, tuned and paired how.
 
-# The order arms run in: the main arms together, then
-# each other arm, group by group.
-GROUPS = ("main", "competitor", "baseline", "ablation", "eps")
+# The study's arms, group by group in the order they run (the main arms
+# together, then each other group), each with its tuning grid (axes; ():
+# nothing to tune; None: the choice of the arm it ablates, tune_from) and
+# whether its own grid sets its non-Q/K AdamW (own_base: a whole-model
+# AdamW recipe). Every tuned arm gets 3 half-decade points per
+# hyperparameter (fair tuning): AdamW lr x weight decay (which also sets
+# every arm's non-Q/K AdamW), Stiefel Q/K lr x cap, RSGD lr. Each group is
+# one family of the report's comparisons (`families`).
+ADAMW_GRID = (("lr", (1e-3, 3e-3, 1e-2)), ("weight_decay", (0.01, 0.05, 0.25)))
+GROUPS = {
+    "main": (Arm("adamw", ADAMW_GRID),
+             Arm("stiefel", (("lr", (0.1, 0.3, 1.0)),
+                             ("cap", (0.1, 0.3, 1.0)))),
+             Arm("rsgd", (("lr", (3.0, 10.0, 30.0)),))),
+    # the strongest alternatives (issue 14), at the largest n
+    "competitor": (Arm("stiefel_muon", (("lr", (0.01, 0.03, 0.1)),)),
+                   Arm("muon", (("lr", (1e-3, 3e-3, 1e-2)),)),
+                   Arm("qk_norm", ADAMW_GRID, own_base=True),
+                   Arm("orthogonal_init", ADAMW_GRID, own_base=True)),
+    "baseline": (Arm("frozen", ()),),
+    "ablation": tuple(Arm(a, None, tune_from="stiefel") for a in (
+        "no_projection", "per_coordinate_v", "no_cap", "whole_frame")),
+    "eps": tuple(Arm(f"eps_{eps:g}", None, tune_from="stiefel")
+                 for eps in (1e-3, 1e-2, 1e-1)),
+}
 # The protocol's paired seeds (issue 12), fixed before any run: 8 + 8 for
 # the main arms, 6 + 6 for the others.
 MAIN_SEEDS = harness.DISCOVERY_SEEDS[:8] + harness.CONFIRMATION_SEEDS[:8]
 OTHER_SEEDS = harness.DISCOVERY_SEEDS[:6] + harness.CONFIRMATION_SEEDS[:6]
 
 
-def families(registry: dict) -> list:
-  """The report's families of comparisons, one per group of arms (GROUPS),
-  fixed here before any run: each its own table, Holm correction and
+def families(groups: dict = GROUPS) -> list:
+  """The report's families of comparisons, one per group of arms, fixed
+  here before any run: each its own table, Holm correction and
   confirmation stage, so that arms added later never change the main
   arms' findings."""
-  return [(g, [a for a in registry if registry[a].group == g])
-          for g in GROUPS if any(registry[a].group == g for a in registry)]
+  return [(g, [a.name for a in arms]) for g, arms in groups.items()]
 
 
-def study_arms(registry: dict) -> tuple:
-  """The registry's arms as the study plans them, in run order (GROUPS)."""
-  return tuple(study_lib.Arm(a.name, a.grid, a.tune_from, a.own_base,
-                             a.group == "main")
-               for g in GROUPS for a in registry.values() if a.group == g)
+def study_arms(groups: dict = GROUPS) -> tuple:
+  """The groups' arms as the study plans them, in run order (the main
+  group's arms main)."""
+  return tuple(a._replace(main=g == "main") for g, arms in groups.items()
+               for a in arms)
+
+
+def quick_groups(groups: dict = GROUPS) -> dict:
+  """The groups with every grid cut to its first point (`--quick`)."""
+  return {g: tuple(a._replace(axes=tuple((k, v[:1]) for k, v in a.axes))
+                   if a.axes else a for a in arms)
+          for g, arms in groups.items()}
 
 
 class Bench:
@@ -50,13 +80,14 @@ class Bench:
   (`expected_s`)."""
 
   def __init__(self, data: Dataset, cfg: Config, out: pathlib.Path,
-               arms: Optional[dict] = None, inherit: Optional[dict] = None,
+               groups: Optional[dict] = None, inherit: Optional[dict] = None,
                inherit_from: Optional[str] = None):
     self.cfg, self.out, self.data = cfg, pathlib.Path(out), data
-    self.arms = dict(arms or ARMS)
+    self.arms = study_arms(GROUPS if groups is None else groups)
+    self.plan = {a.name: a for a in self.arms}
     # {arm: hp} chosen elsewhere (--hp-from): those arms are not re-tuned.
     self.inherit, self.inherit_from = dict(inherit or {}), inherit_from
-    self.fp = fingerprint(cfg, data.source)
+    self.fp = harness.run_identity(cfg.to_dict(), data.source)
     self.store = harness.RunStore(out, indent=1)
     self.trainer = Trainer(data, cfg)
     self._records = {}   # name -> record read or written
@@ -69,9 +100,9 @@ class Bench:
     """The study of `arms` (default: every arm) and the arms they build on,
     the main ones at each of `sizes` (largest first), the others at the
     largest; tuned by mean validation accuracy (higher is better)."""
-    asked = list(self.arms) if arms is None else list(arms)
+    asked = list(self.plan) if arms is None else list(arms)
     return study_lib.Study(
-        arms=study_lib.with_dependencies(study_arms(self.arms), asked),
+        arms=study_lib.with_dependencies(self.arms, asked),
         tune_seeds=self.cfg.tune_seeds, main_seeds=tuple(main_seeds),
         other_seeds=tuple(other_seeds),
         sizes=tuple(sorted(sizes, key=lambda n: -1 if n is None else -n)),
@@ -93,7 +124,7 @@ class Bench:
       if rec is None:
         return None
       self._records[name] = rec   # runs change only through `execute`
-    own = study_lib.sets_own_base(self.arms[task.arm])
+    own = study_lib.sets_own_base(self.plan[task.arm])
     if rec.get("hp") != dict(task.point) or (
         not own and rec.get("base") != dict(task.base)):
       return None
@@ -109,14 +140,14 @@ class Bench:
     done = self.load(task)
     if done is not None:
       return done
-    arm, cfg = self.arms[task.arm], self.cfg
+    arm, cfg = ARMS[task.arm], self.cfg
     tuning = task.stage == "tune"
     hp = dict(task.point)
     # adamw and the whole-model AdamW recipes set their own non-Q/K AdamW
-    own = study_lib.sets_own_base(self.arms[task.arm])
+    own = study_lib.sets_own_base(self.plan[task.arm])
     base = {k: hp[k] for k in BASE_KEYS} if own else dict(task.base)
     n = self.size(task)
-    got = self.trainer.train(arm, hp, base, task.seed, n, tuning)
+    got = self.trainer.train(task.arm, hp, base, task.seed, n, tuning)
     curve = got["curve"]
     rec = {
         "kind": "tune" if tuning else "run", "arm": task.arm,
@@ -124,7 +155,7 @@ class Bench:
         "hp": hp, "base": base, "fixed": dict(arm.fixed),
         "hp_from": (self.inherit_from if task.arm in self.inherit and not tuning
                     else None),
-        "per_head": arm.per_head, "orthonormal_start": arm.orthonormal,
+        "per_head": arm.frames is None, "orthonormal_start": arm.orthonormal,
         ("val_acc" if tuning else "test_acc"): curve[-1],
         ("val_curve" if tuning else "test_curve"): curve,
         "train_loss": got["losses"],

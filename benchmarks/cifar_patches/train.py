@@ -13,11 +13,12 @@ import optax
 
 import stiefel_optax as so
 from benchmarks import study as study_lib, training
-from benchmarks.cifar_patches.arms import Arm, frames_of, make_tx
+from benchmarks.cifar_patches.arms import ARMS, frames_of, make_optimizer
 from benchmarks.cifar_patches.config import Config
 from benchmarks.cifar_patches.data import (Dataset, channel_stats, seed_stream,
                                            validation_split)
 from benchmarks.models import Transformer
+from benchmarks.training import Arm
 
 
 def init_params(model: Transformer, arm: Arm, seed: int):
@@ -25,18 +26,18 @@ def init_params(model: Transformer, arm: Arm, seed: int):
   (nearest orthonormal frames) for arms that start on the manifold."""
   params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 32, 32, 3)))["params"]
   if arm.orthonormal:
-    params = orthonormal_start(params, per_head=arm.per_head)
+    params = orthonormal_start(params, frames_of(arm))
   return params
 
 
-def orthonormal_start(params, *, per_head: bool, passes: int = 2):
+def orthonormal_start(params, frames, passes: int = 2):
   """`so.orthonormalize` applied `passes` times. One eigh-based polar of a
-  square (d, d) Gaussian kernel (per_head=False) squares its condition
-  number and leaves ||W^T W - I|| ~ 1e-3 in float32; a second polar of the
-  nearly orthonormal result is exact to rounding (and changes a per-head
-  frame only at rounding level)."""
+  square (d, d) Gaussian kernel (the whole-frame layout) squares its
+  condition number and leaves ||W^T W - I|| ~ 1e-3 in float32; a second
+  polar of the nearly orthonormal result is exact to rounding (and changes
+  a per-head frame only at rounding level)."""
   for _ in range(passes):
-    params = so.orthonormalize(params, frames_of(per_head))
+    params = so.orthonormalize(params, frames)
   return params
 
 
@@ -67,7 +68,7 @@ def make_eval_fn(model: Transformer, mean, std):
 
 class Trainer:
   """The images on device and the jitted functions, cached per model and
-  per (arm, hp, base, n): trains one run (`train`)."""
+  per (arm, hp, base, n): trains one run of a named arm (`train`)."""
 
   def __init__(self, data: Dataset, cfg: Config):
     self.cfg = cfg
@@ -84,12 +85,12 @@ class Trainer:
     self._accuracy = {}
     self._epoch_fns = {}
 
-  def epoch_fn(self, arm: Arm, hp: dict, base: dict, n: int):
-    key = (arm.name, study_lib.point_key(hp), study_lib.point_key(base), n)
+  def epoch_fn(self, arm: str, hp: dict, base: dict, n: int):
+    key = (arm, study_lib.point_key(hp), study_lib.point_key(base), n)
     if key not in self._epoch_fns:
       steps = (n // self.cfg.batch) * self.cfg.epochs
-      tx = make_tx(arm, hp, base, steps, self.cfg)
-      self._epoch_fns[key] = (tx, make_epoch_fn(self.model_of(arm), tx,
+      tx = make_optimizer(self.cfg, arm, hp, base, steps)
+      self._epoch_fns[key] = (tx, make_epoch_fn(self.model_of(ARMS[arm]), tx,
                                                 self.mean, self.std))
     return self._epoch_fns[key]
 
@@ -104,21 +105,21 @@ class Trainer:
                                                  self.std)
     return self._accuracy[arm.qk_norm]
 
-  def train(self, arm: Arm, hp: dict, base: dict, seed: int, n: int,
+  def train(self, name: str, hp: dict, base: dict, seed: int, n: int,
             tuning: bool) -> dict:
-    """Trains `arm` at (hp, base) from `seed` on n images: of the tuning
+    """Trains the arm `name` at (hp, base) from `seed` on n images: of the tuning
     pool, evaluated on the validation split after each epoch, for a tuning
     run; of every training image, evaluated on the test images, for a
     paired run. Returns the accuracy after each epoch (curve), the mean
     training loss of each epoch (losses), the Q/K frames' isometry error
     and movement, and the wall seconds."""
-    cfg = self.cfg
+    cfg, arm = self.cfg, ARMS[name]
     pool = self.pool if tuning else self.all_train
     ex, ey = ((self.x[self.val], self.y[self.val]) if tuning
               else (self.x_test, self.y_test))
     t0 = time.time()
     idx = seed_stream(seed, pool, n, cfg)
-    tx, epoch = self.epoch_fn(arm, hp, base, n)
+    tx, epoch = self.epoch_fn(name, hp, base, n)
     params = init_params(self.model_of(arm), arm, seed)
     start = params
     opt_state = tx.init(params)
@@ -128,8 +129,8 @@ class Trainer:
           (params, opt_state), jnp.asarray(idx[e]), self.x, self.y)
       losses.append(float(loss))
       curve.append(float(self.accuracy(arm)(params, ex, ey)))
-    iso = float(so.max_isometry_error(params, frames_of(arm.per_head)))
-    move = so.frame_movement(start, params, frames_of(arm.per_head))
+    iso = float(so.max_isometry_error(params, frames_of(arm)))
+    move = so.frame_movement(start, params, frames_of(arm))
     movement = float(sum(float(jnp.sum(m)) for m in move.values()))
     return dict(curve=curve, losses=losses, isometry_error=iso,
                 movement=movement, wall_s=time.time() - t0)

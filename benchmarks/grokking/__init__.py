@@ -26,8 +26,9 @@ the isometry error ||W^T W - I||_F of every Q/K frame (the AdamW arm's raw
 kernels, per head), the Frobenius norm of every other weight, and the mean
 per-step movement ||W_{t+1} - W_t||_F of each Q/K frame over the chunk.
 Runs are saved per (arm, seed) with a checkpoint, so a stopped study resumes;
-a saved run is reused only under the same identity (configuration, the
-equations' md5, library numerics version: `benchmarks.harness`). Output goes to
+a saved run is reused only under the same identity
+(`harness.run_identity` of the configuration, the equations' md5 and the
+library numerics version). Output goes to
 runs/grokking/<default|full|quick>/ (ignored by git) unless `--out` names a
 folder, e.g. one of the committed reference folders under
 benchmarks/results/grokking/. Each folder holds study.json (what was asked),
@@ -35,31 +36,39 @@ runs/, an optional notes.md (included verbatim) and the results.json,
 table.md and plots that `benchmarks.reports.grokking` generates from the
 saved runs (as it does the RESULTS.md section).
 
-One module per concept:
+The modules, as every experiment has them (config, arms, data, model,
+train, study, cli):
 
-    config.py      the arms, `Config`, `Study` and their presets (default,
-                   full, quick), a run's identity and name
+    config.py      `Config`, its presets (`PRESETS`: default, full,
+                   quick) and a run's name
+    arms.py        the arms (`ARMS`: name -> `benchmarks.training.Arm`)
+                   and an arm's optimizer
     data.py        the equations, their seeded split and content id
     model.py       the Transformer of a configuration, its evaluation and
                    each arm's initial parameters
-    arms.py        each arm's optimizer
-    steps.py       the jitted training chunk and measurement
-    train.py       `train_run`: one run, saved and resumable
-    study.py       the study's jobs in order, split into parts, run with
-                   a time budget (`benchmarks.study.run_list`)
-    report.py      what the report reads: a folder's study and saved runs
+    train.py       the jitted training chunk and measurement, and
+                   `train_run`: one run, saved and resumable
+    study.py       `Study` and its presets (`STUDIES`), the study's jobs in
+                   order, split into parts, run with a time budget
+                   (`benchmarks.study.run_list`), and what the report
+                   reads: a folder's study and saved runs
     cli.py         the command line: a study, its report, the section
 
 Run stores, identities and the machine record are `benchmarks.harness`'s;
-the resumable training loop is `benchmarks.training`'s, the runner of the
-study's jobs `benchmarks.study`'s; the tables, plots and section are
-`benchmarks.reports.grokking`'s. The names below are what the tests and
-other modules use.
+the resumable training loop and the arm record are `benchmarks.training`'s,
+the runner of the study's jobs `benchmarks.study`'s; the tables, plots and
+section are `benchmarks.reports.grokking`'s. The names below are what the
+tests and other modules use.
 """
 
+from benchmarks.grokking.arms import ARMS, make_optimizer
 from benchmarks.grokking.cli import configure, main, parse_args
-from benchmarks.grokking.config import (DEFAULT_STUDY, PROBE_ARM, Config,
-                                        run_identity)
+from benchmarks.grokking.config import PRESETS, PROBE_ARM, Config, run_name
 from benchmarks.grokking.model import initial_params, make_model
-from benchmarks.grokking.report import load_study
+from benchmarks.grokking.study import STUDIES, Study, load_study
 from benchmarks.grokking.train import train_run
+
+__all__ = ["ARMS", "PRESETS", "PROBE_ARM", "STUDIES", "Config", "Study",
+           "configure", "initial_params", "load_study", "main",
+           "make_model", "make_optimizer", "parse_args", "run_name",
+           "train_run"]

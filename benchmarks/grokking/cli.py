@@ -10,11 +10,10 @@ import time
 
 import benchmarks.grokking
 from benchmarks import harness
-from benchmarks.grokking.config import (DEFAULT_STUDY, FULL_STUDY, PROBE_ARM,
-                                        QUICK_CONFIG, QUICK_STUDY, Config)
+from benchmarks.grokking.config import PRESETS, PROBE_ARM
 from benchmarks.grokking.data import OPS
-from benchmarks.grokking.report import load_spec, load_study, saved_study
-from benchmarks.grokking.study import run_study
+from benchmarks.grokking.study import (STUDIES, load_spec, load_study,
+                                       run_study, saved_study)
 from benchmarks.reports import grokking as report_lib
 
 
@@ -61,14 +60,14 @@ def configure(args) -> tuple:
   out = args.out or harness.default_out("grokking", preset)
   if args.report_only and (spec := load_spec(out)) is not None:
     return (*spec[:2], out, spec[2])
-  cfg = Config(**(QUICK_CONFIG if args.quick else {}))
+  cfg = PRESETS[preset]
   overrides = harness.given(args, (
       "p", "log_every", "train_fraction", "op", "d_model", "num_heads",
       "d_mlp", "num_layers", "learning_rate"))
   if args.d_model and not args.d_mlp:
     overrides["d_mlp"] = 4 * args.d_model
   cfg = dataclasses.replace(cfg, **overrides)
-  study = dict(quick=QUICK_STUDY, full=FULL_STUDY).get(preset, DEFAULT_STUDY)
+  study = STUDIES[preset]
   study = dataclasses.replace(
       study, seeds=args.seeds or study.seeds, **harness.given(
           args, ("steps", "long_steps", "long_seed", "probe_steps")))
@@ -96,8 +95,7 @@ def main(argv=None) -> dict:
     harness.write_text(out / "notes.md", args.note.strip() + "\n")
   if not args.report_only:
     harness.write_json(out / "study.json", dict(
-        config=dataclasses.asdict(cfg), study=dataclasses.asdict(study)),
-                       indent=1)
+        config=cfg.to_dict(), study=dataclasses.asdict(study)), indent=1)
     part, parts = (int(x) for x in args.part.split("/"))
     run_study(cfg, study, out, not args.no_progress, part, parts,
               harness.command_line("benchmarks.grokking", argv),

@@ -1,15 +1,15 @@
-"""What determines a run but its arm and seed (`Config`), which runs a
-study makes (`Study`), their presets, and a run's identity and name."""
+"""What determines a run but its arm and seed: `Config`, its presets, and a
+run's name (its identity: `harness.run_identity(cfg.to_dict(), data id)`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
-from benchmarks import harness
-from benchmarks.grokking.data import DEFAULT_PRIME, data_id
+from benchmarks.grokking.data import DEFAULT_PRIME
 
-ARMS = ("adamw", "stiefel")
+# The mechanism probe (Q/K frames on fixed-step RSGD), beside the study's
+# arms (`study.Study.arms`).
 PROBE_ARM = "rsgd"
 
 
@@ -34,34 +34,14 @@ class Config:
   log_every: int = 50
   target_acc: float = 0.95
 
-
-@dataclasses.dataclass(frozen=True)
-class Study:
-  """Which runs: `seeds` x arms to `steps`; `long_seed` continued to
-  `long_steps` (0: none); the rsgd probe for `probe_steps` on each seed."""
-  steps: int
-  seeds: tuple
-  long_steps: int = 0
-  long_seed: int = 0
-  probe_steps: int = 0
-  arms: tuple = ARMS
+  def to_dict(self) -> dict:
+    """The configuration as a run records it and its identity hashes it."""
+    return dataclasses.asdict(self)
 
 
-  @classmethod
-  def from_dict(cls, d: dict) -> "Study":
-    return cls(**{k: tuple(v) if isinstance(v, list) else v
-                  for k, v in d.items()})
-
-
-DEFAULT_STUDY = Study(steps=1000, seeds=(0, 1, 2, 3, 4), probe_steps=200)
-FULL_STUDY = Study(steps=3000, seeds=(0, 1, 2, 3, 4), long_steps=20000,
-                   probe_steps=500)
-QUICK_STUDY = Study(steps=100, seeds=(0, 1), probe_steps=50)
-QUICK_CONFIG = dict(p=23, d_model=16, num_heads=2, d_mlp=64, log_every=25)
-
-
-def run_identity(cfg: Config) -> str:
-  return harness.identity(dataclasses.asdict(cfg), data_id(cfg.p, cfg.op))
+DEFAULT = Config()
+QUICK = Config(p=23, d_model=16, num_heads=2, d_mlp=64, log_every=25)
+PRESETS = {"default": DEFAULT, "full": DEFAULT, "quick": QUICK}
 
 
 def run_name(arm: str, seed: int) -> str:

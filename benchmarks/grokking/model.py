@@ -7,6 +7,7 @@ import jax
 
 import stiefel_optax as so
 from benchmarks import models, training
+from benchmarks.grokking.arms import ARMS
 from benchmarks.grokking.config import Config
 from benchmarks.grokking.data import vocab_size
 
@@ -27,7 +28,8 @@ def evaluate(model: models.Transformer, params, tokens, labels):
 
 
 def initial_params(cfg: Config, arm: str, seed: int):
-  """The seed's initialisation; Stiefel arms replace each Q/K head by its
-  nearest orthonormal frame (polar factor), every other weight identical."""
+  """The seed's initialisation; the arms that start orthonormal (the
+  Stiefel arms) replace each Q/K head by its nearest orthonormal frame
+  (polar factor), every other weight identical."""
   params = models.init_params(make_model(cfg), jax.random.PRNGKey(seed))
-  return params if arm == "adamw" else so.orthonormalize(params)
+  return so.orthonormalize(params) if ARMS[arm].orthonormal else params

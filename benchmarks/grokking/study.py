@@ -1,6 +1,9 @@
-"""The study's runs: its jobs (arm, seed, steps) in order, split between
-parallel processes, and run in order (`benchmarks.study.run_list`), each
-resumable, with an optional time budget.
+"""The study: which runs (`Study`, its presets `STUDIES`), its jobs
+(arm, seed, steps) in order, split between parallel processes and run in
+order (`benchmarks.study.run_list`), each resumable, with an optional time
+budget; and what the report (`benchmarks.reports.grokking`) reads: a
+results folder's study (its study.json) and every saved run of it, partial
+ones included, under any library version.
 
 Grokking's study is a fixed list, not a plan: no tuning, every seed a
 discovery seed, a long run that continues one seed's run and an rsgd probe,
@@ -11,15 +14,41 @@ blocks) does not apply; its runner does.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from benchmarks import harness, study as study_lib
-from benchmarks.grokking.config import (PROBE_ARM, Config, Study,
-                                        run_identity, run_name)
+from benchmarks.grokking.config import PROBE_ARM, Config, run_name
+from benchmarks.grokking.data import data_id
 from benchmarks.grokking.train import train_run
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """Which runs: `seeds` x arms to `steps`; `long_seed` continued to
+  `long_steps` (0: none); the rsgd probe for `probe_steps` on each seed."""
+  steps: int
+  seeds: tuple
+  long_steps: int = 0
+  long_seed: int = 0
+  probe_steps: int = 0
+  arms: tuple = ("adamw", "stiefel")
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "Study":
+    return cls(**{k: tuple(v) if isinstance(v, list) else v
+                  for k, v in d.items()})
+
+
+STUDIES = {
+    "default": Study(steps=1000, seeds=(0, 1, 2, 3, 4), probe_steps=200),
+    "full": Study(steps=3000, seeds=(0, 1, 2, 3, 4), long_steps=20000,
+                  probe_steps=500),
+    "quick": Study(steps=100, seeds=(0, 1), probe_steps=50),
+}
 
 
 def schedule(study: Study) -> list:
@@ -37,7 +66,8 @@ def schedule(study: Study) -> list:
 def remaining(cfg: Config, job: tuple, out: Optional[Path]) -> int:
   """The steps the job has left after `out`'s saved run of it."""
   arm, seed, steps = job
-  run = (harness.RunStore(out).load(run_name(arm, seed), run_identity(cfg))
+  ident = harness.run_identity(cfg.to_dict(), data_id(cfg.p, cfg.op))
+  run = (harness.RunStore(out).load(run_name(arm, seed), ident)
          if out is not None else None)
   return max(0, steps - (run["history"]["step"][-1] if run else 0))
 
@@ -105,3 +135,47 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
     print(f"time budget {time_budget:.0f} s: stopped with {len(left)} job(s)"
           " left; the same command resumes them.", file=sys.stderr)
   return runs
+
+
+# --------------------------------------------------------------------------
+# What the report reads.
+
+
+def load_run(cfg: Config, arm: str, seed: int, out: Path,
+             runs_from: Sequence[str] = ()) -> Optional[dict]:
+  """The saved (possibly partial) run of this configuration under any
+  library version (what a report shows), from out or else from the folders
+  `runs_from` (relative to out), or None."""
+  for folder in [out] + [out / r for r in runs_from]:
+    run = harness.RunStore(folder).load_matching(
+        run_name(arm, seed), cfg.to_dict(), data_id(cfg.p, cfg.op))
+    if run is not None:
+      return run
+  return None
+
+
+def saved_study(cfg: Config, study: Study, out: Path,
+                runs_from: Sequence[str] = ()) -> dict:
+  """Every saved run of the study as it is (partial runs included)."""
+  runs = {arm: {} for arm in study.arms + (PROBE_ARM,)}
+  for arm, seed, _ in schedule(study):
+    run = load_run(cfg, arm, seed, out, runs_from)
+    if run is not None:
+      runs[arm][seed] = run
+  return runs
+
+
+def load_spec(out: Path):
+  """(cfg, study, runs_from) from <out>/study.json, or None."""
+  spec = harness.read_json(out / "study.json")
+  if spec is None:
+    return None
+  return (Config(**spec["config"]), Study.from_dict(spec["study"]),
+          tuple(spec.get("runs_from", ())))
+
+
+def load_study(out: Path) -> tuple:
+  """(cfg, study, runs) of the study saved in `out` (its study.json and
+  every saved run, partial ones included): what its report reads."""
+  cfg, study, runs_from = load_spec(out)
+  return cfg, study, saved_study(cfg, study, out, runs_from)

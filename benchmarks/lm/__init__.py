@@ -116,35 +116,40 @@ bytes.
 
 Runs are saved per (arm, seed, configuration) under <out>/runs/, with a
 checkpoint while training, so a stopped study resumes; a saved run is reused
-only under the same identity (`benchmarks.harness`: the configuration's
+only under the same identity (`harness.run_identity` of the configuration's
 content, the corpus's md5 and the library numerics version). Output goes to
 runs/lm/ (ignored by git) unless `--out` names a folder (the committed
 reference runs: benchmarks/results/lm). The report (table.md, results.json
 and the RESULTS.md section: `benchmarks.reports.lm`) is generated from every
 run in the folder; a study's report from its plan read against those runs
-(`report.study_state`).
+(`study.study_state`).
 
-One module per concept:
+The modules, as every experiment has them (config, arms, data, model,
+train, study, cli), and the LM's timing and robustness sweep:
 
-    config.py      the arms, `Config` and its presets (cpu, gpu, quick),
-                   a run's identity and name
+    config.py      `Config` and its presets (`PRESETS`: cpu, gpu, quick),
+                   a run's name
+    arms.py        the arms (`ARMS`: name -> `benchmarks.training.Arm`),
+                   their Q/K frames and each arm's optimizer: nanoGPT's
+                   AdamW, schedule and decay mask, the arm's recipe
     data.py        the corpus and its batches
-    model.py       the GPT of a configuration, its Q/K frames, initial
-                   parameters and loss
-    arms.py        each arm's optimizer: nanoGPT's AdamW, schedule and
-                   decay mask, and the Stiefel, RSGD and Muon recipes
-    steps.py       the jitted training chunk, evaluation and whole-split loss
-    train.py       `train_run`: one run, saved and resumable
-    study.py       the study: `STUDY`, `QUICK_STUDY`, each planned run's
-                   configuration, the plan against the finished runs
-    timing.py      a run's time: probed, or from the finished runs
-    estimate.py    the study's time estimate and its printed line
-    report.py      what the report (`benchmarks.reports.lm`) reads, the
-                   study's state, `write_report`
-    cli.py         the command line: sweep, probe, study, report-only
+    model.py       the GPT of a configuration, its initial parameters and
+                   loss
+    train.py       the jitted training chunk, evaluation and whole-split
+                   loss, and `train_run`: one run, saved and resumable
+    study.py       the study (`STUDIES`: full, quick), each planned run's
+                   configuration, the plan against the finished runs, and
+                   what the report reads: the study's state, `write_report`
+    timing.py      a run's time (probed, or from the finished runs) and the
+                   study's time estimate with its printed line
+    robustness.py  the learning-rate sweep (`SWEEPS`), its plan, runner and
+                   report
+    cli.py         the command line: sweep, probe, study, robustness,
+                   report-only
 
 The model is `benchmarks.models.GPT`; run stores, identities and the
-machine record are `benchmarks.harness`'s; the resumable training loop is
-`benchmarks.training`'s; the study's plan, estimate and runner are
-`benchmarks.study`'s; the tables are `benchmarks.reports.lm`'s.
+machine record are `benchmarks.harness`'s; the resumable training loop,
+the arm record and the shared Q/K recipes are `benchmarks.training`'s; the
+study's plan, estimate and runner are `benchmarks.study`'s; the tables are
+`benchmarks.reports.lm`'s and `benchmarks.reports.robustness`'s.
 """

@@ -1,9 +1,10 @@
-"""Each arm's optimizer, a recipe of library pieces on nanoGPT's AdamW,
-learning-rate schedule and weight-decay mask."""
+"""The arms (`ARMS`: name -> `benchmarks.training.Arm`) and an arm's
+optimizer: its recipe on the Q/K frames (each head's q and k thirds of the
+fused c_attn), nanoGPT's AdamW, learning-rate schedule and weight-decay
+mask on the rest. `cfg` throughout: a `config.Config` (which imports this
+module: the registry's `fields` decide its identity)."""
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +12,33 @@ import optax
 
 import stiefel_optax as so
 from benchmarks import training
-from benchmarks.lm.config import ARMS, Config
-from benchmarks.lm.model import frames
+from benchmarks.training import Arm
 
 
-def lr_schedule(cfg: Config, peak: float) -> optax.Schedule:
+# `fields`: the Config fields only that arm reads (its Q/K lr first), kept
+# out of the other arms' identity, so tuning one arm never invalidates
+# another's runs.
+ARMS = {
+    "adamw": Arm(),
+    "stiefel": Arm(training.qk_stiefel, orthonormal=True,
+                   fields=("stiefel_learning_rate", "max_step_norm")),
+    "rsgd": Arm(training.qk_rsgd, orthonormal=True,
+                fields=("rsgd_learning_rate",)),
+    "stiefel_muon": Arm(training.qk_stiefel_muon, orthonormal=True,
+                        fields=("stiefel_muon_learning_rate",)),
+    "muon": Arm(training.qk_muon, fields=("muon_learning_rate",)),
+    "qk_norm": Arm(qk_norm=True),
+    "orthogonal_init": Arm(orthonormal=True),
+    "qk_clip": Arm(qk_clip=True),
+}
+
+
+def frames(cfg) -> dict:
+  """The frame selector of the fused kernel: q and k thirds, per head."""
+  return {r"c_attn/kernel$": so.fused_qkv(cfg.n_head)}
+
+
+def lr_schedule(cfg, peak: float) -> optax.Schedule:
   """nanoGPT's get_lr with peak `peak` and floor peak * min_lr / lr:
   linear warmup peak (it + 1) / (warmup + 1), cosine to the floor at
   lr_decay_iters, the floor after."""
@@ -39,7 +62,7 @@ def decay_mask(params):
   return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def nanogpt_adamw(cfg: Config) -> optax.GradientTransformation:
+def nanogpt_adamw(cfg) -> optax.GradientTransformation:
   return optax.adamw(lr_schedule(cfg, cfg.learning_rate), cfg.beta1,
                      cfg.beta2, eps=1e-8, weight_decay=cfg.weight_decay,
                      mask=decay_mask)
@@ -92,8 +115,10 @@ def qk_clip(n_head: int, tau: float = QK_CLIP_TAU
       lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-  """The arm's optimizer, after one global-norm clip of the whole gradient.
+def make_optimizer(cfg) -> optax.GradientTransformation:
+  """The arm's optimizer (`training.arm_optimizer`: its recipe on the Q/K
+  frames at its own peak lr, on nanoGPT's schedule, nanoGPT's AdamW on the
+  rest), after one global-norm clip of the whole gradient.
 
   `muon` (`training.per_head_muon`): optax.contrib.muon's dimension
   numbers address whole axes of a leaf, not the q and k thirds of a fused
@@ -104,33 +129,14 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   unconstrained (orthonormal_start='project' only skips the start check;
   Muon has no retraction).
   """
-  adamw = nanogpt_adamw(cfg)
-  sched = functools.partial(lr_schedule, cfg)
-  sel = frames(cfg)
-  if cfg.arm in ("adamw", "qk_norm", "orthogonal_init"):
-    tx = adamw
-  elif cfg.arm == "qk_clip":
-    tx = optax.chain(adamw, qk_clip(cfg.n_head))
-  elif cfg.arm == "stiefel":
-    tx = so.stiefel_attention(
-        sched(cfg.learning_rate), frames=sel,
-        stiefel_learning_rate=sched(cfg.stiefel_learning_rate),
-        b1=cfg.beta1, b2=cfg.beta2, max_step_norm=cfg.max_step_norm,
-        euclidean_tx=adamw)
-  elif cfg.arm == "rsgd":
-    tx = so.stiefel_attention(
-        sched(cfg.learning_rate), frames=sel,
-        stiefel_tx=so.riemannian_sgd(sched(cfg.rsgd_learning_rate)),
-        euclidean_tx=adamw)
-  elif cfg.arm == "stiefel_muon":
-    tx = so.stiefel_attention(
-        sched(cfg.learning_rate), frames=sel,
-        stiefel_tx=so.stiefel_muon(sched(cfg.stiefel_muon_learning_rate)),
-        euclidean_tx=adamw)
-  elif cfg.arm == "muon":
-    muon = training.per_head_muon(sched(cfg.muon_learning_rate),
-                                  cfg.weight_decay)
-    tx = so.frame_partition(muon, adamw, sel, orthonormal_start="project")
-  else:
-    raise ValueError(f"arm must be one of {ARMS}; got {cfg.arm!r}.")
+  if cfg.arm not in ARMS:
+    raise ValueError(f"arm must be one of {tuple(ARMS)}; got {cfg.arm!r}.")
+  arm = ARMS[cfg.arm]
+  lr = (lr_schedule(cfg, getattr(cfg, arm.fields[0])) if arm.fields
+        else None)
+  tx = training.arm_optimizer(
+      arm, nanogpt_adamw(cfg), lr, frames(cfg), b1=cfg.beta1, b2=cfg.beta2,
+      cap=cfg.max_step_norm, weight_decay=cfg.weight_decay)
+  if arm.qk_clip:
+    tx = optax.chain(tx, qk_clip(cfg.n_head))
   return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)

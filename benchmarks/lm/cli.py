@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import os
 import pathlib
 import sys
 import time
@@ -15,21 +14,17 @@ from typing import Mapping, Optional
 
 import benchmarks.lm
 from benchmarks import harness, study as study_lib, training
-from benchmarks.lm.config import (ARM_FIELDS, ARMS, PRESETS, Config,
-                                  check_config, run_name)
+from benchmarks.lm.arms import ARMS
+from benchmarks.lm.config import PRESETS, Config, check_config, run_name
 from benchmarks.lm.data import Corpus, default_data, load_corpus
 from benchmarks.lm import robustness
-from benchmarks.lm.estimate import estimate, estimate_text
-from benchmarks.lm.report import study_data, write_report
-from benchmarks.lm.study import STUDIES, Study, remaining, task_config
-from benchmarks.lm.timing import (iteration_rates, measure_steps, probe,
-                                  run_seconds, timing_key)
+from benchmarks.lm.study import (REFERENCE_DIR, STUDIES, Study, remaining,
+                                 task_config, write_report)
+from benchmarks.lm.timing import (estimate, estimate_text, iteration_rates,
+                                  measure_steps, probe, run_seconds,
+                                  timing_key)
 from benchmarks.lm.train import train_run
 from benchmarks.reports import lm as report_lib
-from benchmarks.reports import robustness as robustness_lib
-
-REFERENCE_DIR = harness.REFERENCE_ROOT / "lm"
-ROBUSTNESS_SECTION = "## Learning-rate robustness (language model)"
 
 
 def _field_type(f: dataclasses.Field):
@@ -102,8 +97,9 @@ def configs(args) -> list:
       sweeps[f.name] = [_field_type(f)(v) for v in val.split(",")]
   out = []
   for arm in arms:
-    names = [k for k in sweeps if k not in
-             {x for a, fs in ARM_FIELDS.items() if a != arm for x in fs}]
+    others = {f for a, other in ARMS.items() if a != arm
+              for f in other.fields}
+    names = [k for k in sweeps if k not in others]
     for vals in itertools.product(*(sweeps[k] for k in names)):
       cfg = dataclasses.replace(base, arm=arm, **dict(zip(names, vals)))
       if "max_iters" in names and "lr_decay_iters" not in sweeps:
@@ -232,99 +228,6 @@ def train_study(name: str, args, argv, corpus: Corpus, out: pathlib.Path,
   return None
 
 
-def worker_share(spec: Optional[str]):
-  """--worker I/N as a predicate on run names (None: every run)."""
-  if spec is None:
-    return lambda name: True
-  try:
-    i, n = (int(x) for x in spec.split("/"))
-  except ValueError:
-    i, n = -1, 0
-  if not 0 <= i < n:
-    raise SystemExit(f"--worker must be I/N with 0 <= I < N; got {spec!r}.")
-  return lambda name: int(harness.digest(name, 8), 16) % n == i
-
-
-def run_robustness(sweep: robustness.Sweep, corpus: Corpus,
-                   out: pathlib.Path, *, command: str = "", log=print,
-                   time_budget: float = 0.0, dry_run: bool = False,
-                   worker: Optional[str] = None) -> int:
-  """Runs the sweep's unfinished runs in plan order (the grid extended as
-  the reference's runs come in, the finished runs read anew from `out`
-  before each, so that workers sharing it see each other's); stops before
-  a run expected to end past time_budget seconds. Returns the number of
-  runs trained (dry_run: prints how many are left and their expected
-  time, trains none)."""
-  store, mine = harness.RunStore(out), worker_share(worker)
-  records = store.records()
-  done: dict = {}     # read from `out` by every left()
-
-  def left() -> list:
-    done.update(harness.finished_runs(store.records(), current_version=True))
-    return [t for t in robustness.remaining(sweep, done, corpus.data_id)
-            if mine(robustness.task_name(sweep, t, corpus.data_id))]
-
-  # Iteration rates from these runs, else the study's of the same size.
-  rates = {**iteration_rates(harness.RunStore(REFERENCE_DIR).records()),
-           **iteration_rates(records)}
-  if dry_run:
-    todo = left()
-    secs = [run_seconds(robustness.sweep_config(sweep, a, e), rates)
-            for a, e, _ in todo]
-    known = [s for s in secs if s is not None]
-    log(f"{len(todo)} runs planned left (the grid may still extend);"
-        f" about {sum(known) / 3600:.1f} h for the {len(known)} of them"
-        " with a timed configuration, at full length (a diverged run"
-        " stops early)")
-    return 0
-
-  def execute(task) -> dict:
-    rec = train_run(robustness.sweep_config(sweep, task[0], task[1]),
-                    task[2], corpus, out, command=command, log=log)
-    done[rec["name"]] = rec
-    return rec
-
-  def describe(task, rec: dict) -> str:
-    f, why = rec["final"], rec.get("stopped")
-    return (f"{rec['name']} (eta {task[1]:g}): val (whole split)"
-            f" {f['val_loss_full']}, {rec['wall_s']:.0f} s"
-            + (f"; diverged at {why['diverged_at']}: {why['reason']}"
-               if why else ""))
-
-  return study_lib.run_tasks(
-      left, execute, desc="lm robustness", describe=describe,
-      expected_s=lambda t: run_seconds(
-          robustness.sweep_config(sweep, t[0], t[1]), rates),
-      time_budget=time_budget, log=log, progress=False)
-
-
-def robustness_report(out: pathlib.Path, name: str,
-                      results_md: Optional[pathlib.Path] = None) -> dict:
-  """`benchmarks.reports.robustness.report` of out's runs of the sweep
-  (its plots linked from results_md's folder in the section)."""
-  sweep = robustness.SWEEPS[name]
-  done = harness.finished_runs(harness.RunStore(out).records(),
-                               current_version=False)
-  data_id = study_data(done.values())
-  cfg = sweep.base
-  return robustness_lib.report(
-      out, robustness.sweep_runs(sweep, done, data_id),
-      plan="benchmarks/results/lm/robustness_plan.md",
-      grid=robustness.grid(sweep, done, data_id), seeds=sweep.seeds,
-      left=len(robustness.remaining(sweep, done, data_id)),
-      claims=robustness.claim_runs(sweep, done, data_id),
-      figures="" if results_md is None else pathlib.Path(os.path.relpath(
-          out.resolve(), pathlib.Path(results_md).resolve().parent
-      )).as_posix() + "/",
-      heading=ROBUSTNESS_SECTION, setting=(
-          f"nanoGPT's {'toy' if name == 'quick' else 'CPU'} configuration"
-          f" ({cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head} heads,"
-          f" {cfg.max_iters} iterations, weight decay {cfg.weight_decay}),"
-          f" corpus {data_id}; an arm's Q/K rates move with eta by its"
-          f" study ratio ({', '.join(f'{a} {k} = {r:g} eta' for a, d in sweep.ratios.items() if a in sweep.arms for k, r in d.items())};"
-          f" stiefel's cap {sweep.cap_ratio:g} x its Q/K lr)."))
-
-
 def main(argv=None) -> dict:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
@@ -344,16 +247,17 @@ def main(argv=None) -> dict:
   with training.toy_compiler(args.quick):
     if args.robustness:
       if not args.report_only:
-        run_robustness(robustness.SWEEPS[study],
-                       load_corpus(str(args.data or default_data())), out,
-                       command=harness.command_line("benchmarks.lm", argv),
-                       log=log, time_budget=args.time_budget,
-                       dry_run=args.dry_run, worker=args.worker)
+        robustness.run_robustness(
+            robustness.SWEEPS[study],
+            load_corpus(str(args.data or default_data())), out,
+            command=harness.command_line("benchmarks.lm", argv), log=log,
+            time_budget=args.time_budget, dry_run=args.dry_run,
+            worker=args.worker)
         if args.dry_run:
           return {}
-      rep = robustness_report(out, study, args.results_md)
+      rep = robustness.robustness_report(out, study, args.results_md)
       if args.results_md:
-        harness.write_section(args.results_md, ROBUSTNESS_SECTION,
+        harness.write_section(args.results_md, robustness.SECTION,
                               rep["section"])
       log(rep["markdown"])
       return rep

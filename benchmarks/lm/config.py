@@ -1,14 +1,15 @@
-"""What determines a run but its seed: the arms, `Config` (nanoGPT's
-names), its presets, and a run's identity and name.
+"""What determines a run but its seed: `Config` (nanoGPT's names), its
+presets, and a run's name (its identity: `harness.run_identity(
+cfg.to_dict(), corpus id)`).
 
-A run's name is its arm, seed and the digest of its identity
-configuration and corpus; an arm's own fields stay out of the others':
+A run's name is its arm, seed and the digest of its configuration as its
+identity sees it and corpus; an arm's own fields stay out of the others':
 
 >>> run_name(CPU, 0, "tinyshakespeare:md5=6fb458f1232090904fb40fe944165e91")
 'adamw_seed0_85bd1ed3'
 >>> stiefel = dataclasses.replace(CPU, arm="stiefel")
 >>> [f for f in ("max_step_norm", "muon_learning_rate")
-...  if f in identity_config(stiefel)]
+...  if f in stiefel.to_dict()]
 ['max_step_norm']
 """
 
@@ -17,17 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from benchmarks import harness
-
-ARMS = ("adamw", "stiefel", "rsgd", "stiefel_muon", "muon", "qk_norm",
-        "orthogonal_init", "qk_clip")
-# Arms whose Q/K parts start orthonormal (the polar factor of nanoGPT's init).
-ORTHONORMAL_START = ("stiefel", "rsgd", "stiefel_muon", "orthogonal_init")
-# Fields that only one arm reads: kept out of the other arms' identity, so
-# tuning one arm never invalidates another's runs.
-ARM_FIELDS = {"stiefel": ("stiefel_learning_rate", "max_step_norm"),
-              "rsgd": ("rsgd_learning_rate",),
-              "stiefel_muon": ("stiefel_muon_learning_rate",),
-              "muon": ("muon_learning_rate",)}
+from benchmarks.lm.arms import ARMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +50,14 @@ class Config:
   stiefel_muon_learning_rate: float = 0.01
   muon_learning_rate: float = 1e-3
 
+  def to_dict(self) -> dict:
+    """The configuration as a run records it and its identity hashes it:
+    without the fields of the other arms (`arms.ARMS[...].fields`)."""
+    others = {f for arm, a in ARMS.items() if arm != self.arm
+              for f in a.fields}
+    return {k: v for k, v in dataclasses.asdict(self).items()
+            if k not in others}
+
 
 # nanoGPT's published character-level Shakespeare runs (README): the small
 # CPU command and the shakespeare_char (GPU) config (their val losses:
@@ -75,16 +74,9 @@ QUICK = Config(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8,
 PRESETS = {"cpu": CPU, "gpu": GPU, "quick": QUICK}
 
 
-def identity_config(cfg: Config) -> dict:
-  """The configuration as a run's identity sees it: without the fields of
-  the other arms."""
-  others = {f for arm, fs in ARM_FIELDS.items() if arm != cfg.arm for f in fs}
-  return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in others}
-
-
 def run_name(cfg: Config, seed: int, data_id: str) -> str:
   """<arm>_seed<seed>_<hash of the configuration and data>."""
-  digest = harness.digest([identity_config(cfg), data_id], 8)
+  digest = harness.digest([cfg.to_dict(), data_id], 8)
   return f"{cfg.arm}_seed{seed}_{digest}"
 
 

@@ -1,5 +1,5 @@
-"""The model of a configuration (`benchmarks.models.GPT`), its Q/K frames,
-its initial parameters and its loss."""
+"""The model of a configuration (`benchmarks.models.GPT`), its initial
+parameters and its loss."""
 
 from __future__ import annotations
 
@@ -8,18 +8,14 @@ import jax.numpy as jnp
 import optax
 
 import stiefel_optax as so
-from benchmarks.lm.config import ORTHONORMAL_START, Config
+from benchmarks.lm.arms import ARMS, frames
+from benchmarks.lm.config import Config
 from benchmarks.models import GPT
 
 
 def make_model(cfg: Config, vocab_size: int) -> GPT:
   return GPT(vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd,
-             cfg.dropout, qk_norm=cfg.arm == "qk_norm")
-
-
-def frames(cfg: Config) -> dict:
-  """The frame selector of the fused kernel: q and k thirds, per head."""
-  return {r"c_attn/kernel$": so.fused_qkv(cfg.n_head)}
+             cfg.dropout, qk_norm=ARMS[cfg.arm].qk_norm)
 
 
 def initial_params(cfg: Config, vocab_size: int, seed: int):
@@ -29,7 +25,7 @@ def initial_params(cfg: Config, vocab_size: int, seed: int):
   x = jnp.zeros((1, cfg.block_size), jnp.int32)
   params = model.init(jax.random.fold_in(jax.random.PRNGKey(seed), 0),
                       x)["params"]
-  if cfg.arm in ORTHONORMAL_START:
+  if ARMS[cfg.arm].orthonormal:
     params = so.orthonormalize(params, frames(cfg))
   return params
 

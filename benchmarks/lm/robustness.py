@@ -3,7 +3,11 @@ it (benchmarks/results/lm/robustness_plan.md): every arm on one shared
 x-axis, the base learning rate eta of its AdamW-trained weights, its other
 rates moving with eta by the ratio its study tuning chose; the full
 2,000-iteration schedule; three tuning seeds per point, seed-major; a run
-that diverges is stopped, kept and counted at its initial loss.
+that diverges is stopped, kept and counted at its initial loss. Here: the
+sweep (`Sweep`, its presets `SWEEPS`), each point's configuration, the
+plan (the grid extended as the reference's runs come in, then the claims'
+runs), its runner (`run_robustness`, shared by workers) and its report
+(`robustness_report`: `benchmarks.reports.robustness`).
 
 >>> c = sweep_config(SWEEP, "stiefel", 1e-3)
 >>> c.learning_rate, c.min_lr, c.stiefel_learning_rate, c.max_step_norm
@@ -15,12 +19,19 @@ True
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 from typing import Mapping, Optional
 
-from benchmarks import harness
+from benchmarks import harness, study as study_lib
 from benchmarks.lm.config import CPU, QUICK, Config, run_name
-from benchmarks.lm.study import point_config
+from benchmarks.lm.data import Corpus
+from benchmarks.lm.study import REFERENCE_DIR, point_config, study_data
+from benchmarks.lm.timing import iteration_rates, run_seconds
+from benchmarks.lm.train import train_run
 from benchmarks.reports import robustness as report_lib
+
+SECTION = "## Learning-rate robustness (language model)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,3 +205,100 @@ def sweep_runs(sweep: Sweep, done: Mapping, data_id: str) -> list:
     if finished(rec) and harness.matches(rec):
       rows.append(dict(arm=t[0], eta=t[1], seed=t[2], record=rec))
   return rows
+
+
+# --------------------------------------------------------------------------
+# The runner and the report.
+
+
+def worker_share(spec: Optional[str]):
+  """--worker I/N as a predicate on run names (None: every run)."""
+  if spec is None:
+    return lambda name: True
+  try:
+    i, n = (int(x) for x in spec.split("/"))
+  except ValueError:
+    i, n = -1, 0
+  if not 0 <= i < n:
+    raise SystemExit(f"--worker must be I/N with 0 <= I < N; got {spec!r}.")
+  return lambda name: int(harness.digest(name, 8), 16) % n == i
+
+
+def run_robustness(sweep: Sweep, corpus: Corpus,
+                   out: pathlib.Path, *, command: str = "", log=print,
+                   time_budget: float = 0.0, dry_run: bool = False,
+                   worker: Optional[str] = None) -> int:
+  """Runs the sweep's unfinished runs in plan order (the grid extended as
+  the reference's runs come in, the finished runs read anew from `out`
+  before each, so that workers sharing it see each other's); stops before
+  a run expected to end past time_budget seconds. Returns the number of
+  runs trained (dry_run: prints how many are left and their expected
+  time, trains none)."""
+  store, mine = harness.RunStore(out), worker_share(worker)
+  records = store.records()
+  done: dict = {}     # read from `out` by every left()
+
+  def left() -> list:
+    done.update(harness.finished_runs(store.records(), current_version=True))
+    return [t for t in remaining(sweep, done, corpus.data_id)
+            if mine(task_name(sweep, t, corpus.data_id))]
+
+  # Iteration rates from these runs, else the study's of the same size.
+  rates = {**iteration_rates(harness.RunStore(REFERENCE_DIR).records()),
+           **iteration_rates(records)}
+  if dry_run:
+    todo = left()
+    secs = [run_seconds(sweep_config(sweep, a, e), rates)
+            for a, e, _ in todo]
+    known = [s for s in secs if s is not None]
+    log(f"{len(todo)} runs planned left (the grid may still extend);"
+        f" about {sum(known) / 3600:.1f} h for the {len(known)} of them"
+        " with a timed configuration, at full length (a diverged run"
+        " stops early)")
+    return 0
+
+  def execute(task) -> dict:
+    rec = train_run(sweep_config(sweep, task[0], task[1]),
+                    task[2], corpus, out, command=command, log=log)
+    done[rec["name"]] = rec
+    return rec
+
+  def describe(task, rec: dict) -> str:
+    f, why = rec["final"], rec.get("stopped")
+    return (f"{rec['name']} (eta {task[1]:g}): val (whole split)"
+            f" {f['val_loss_full']}, {rec['wall_s']:.0f} s"
+            + (f"; diverged at {why['diverged_at']}: {why['reason']}"
+               if why else ""))
+
+  return study_lib.run_tasks(
+      left, execute, desc="lm robustness", describe=describe,
+      expected_s=lambda t: run_seconds(
+          sweep_config(sweep, t[0], t[1]), rates),
+      time_budget=time_budget, log=log, progress=False)
+
+
+def robustness_report(out: pathlib.Path, name: str,
+                      results_md: Optional[pathlib.Path] = None) -> dict:
+  """`benchmarks.reports.robustness.report` of out's runs of the sweep
+  (its plots linked from results_md's folder in the section)."""
+  sweep = SWEEPS[name]
+  done = harness.finished_runs(harness.RunStore(out).records(),
+                               current_version=False)
+  data_id = study_data(done.values())
+  cfg = sweep.base
+  return report_lib.report(
+      out, sweep_runs(sweep, done, data_id),
+      plan="benchmarks/results/lm/robustness_plan.md",
+      grid=grid(sweep, done, data_id), seeds=sweep.seeds,
+      left=len(remaining(sweep, done, data_id)),
+      claims=claim_runs(sweep, done, data_id),
+      figures="" if results_md is None else pathlib.Path(os.path.relpath(
+          out.resolve(), pathlib.Path(results_md).resolve().parent
+      )).as_posix() + "/",
+      heading=SECTION, setting=(
+          f"nanoGPT's {'toy' if name == 'quick' else 'CPU'} configuration"
+          f" ({cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head} heads,"
+          f" {cfg.max_iters} iterations, weight decay {cfg.weight_decay}),"
+          f" corpus {data_id}; an arm's Q/K rates move with eta by its"
+          f" study ratio ({', '.join(f'{a} {k} = {r:g} eta' for a, d in sweep.ratios.items() if a in sweep.arms for k, r in d.items())};"
+          f" stiefel's cap {sweep.cap_ratio:g} x its Q/K lr)."))

@@ -2,17 +2,27 @@
 resumable command (`--study`). `benchmarks.study` plans it from the
 finished runs, so a rerun recomputes the same plan, skips what is done and
 picks up where it stopped; what is the LM's own is here: its grids and
-studies, the configuration of each planned run and the nanoGPT reference.
+studies (`STUDIES`), the configuration of each planned run and the nanoGPT
+reference; and what the report (`benchmarks.reports.lm`) reads: the
+study's state, the plan read against the finished runs (any library
+version), which it turns into the study's tables (`write_report`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+import json
+import pathlib
+from typing import Mapping, Optional, Sequence
 
 from benchmarks import harness, study as study_lib
-from benchmarks.lm.config import CPU, QUICK, Config, run_name
+from benchmarks.lm.arms import ARMS
+from benchmarks.lm.config import CPU, PRESETS, QUICK, Config, run_name
+from benchmarks.lm.data import CORPUS_MD5
+from benchmarks.reports import lm as report_lib
 
+# The committed study's runs (also the timing reference of other runs).
+REFERENCE_DIR = harness.REFERENCE_ROOT / "lm"
 # The AdamW recipes tune AdamW's own lr and weight decay; every other arm
 # tunes its Q/K group on top of adamw's chosen lr and weight decay (its
 # non-Q/K weights are trained by that AdamW).
@@ -172,3 +182,61 @@ def remaining(study: Study, done: Mapping, data_id: str,
   """The plan's runs that are not finished."""
   return study_lib.remaining(study, finished(study, done, data_id), assume,
                              reference_tasks(study))
+
+
+# --------------------------------------------------------------------------
+# What the report reads.
+
+REPORT = report_lib.Experiment(
+    arms=tuple(ARMS), arm_fields={a: arm.fields for a, arm in ARMS.items()
+                                  if arm.fields},
+    presets={n: dataclasses.asdict(c) for n, c in PRESETS.items()},
+    own_adamw=OWN_ADAMW, lr_floor=LR_FLOOR)
+
+
+def study_data(records) -> str:
+  """The corpus a study's report is about: the published one if any run
+  used it, else the first (sorted) that a run used."""
+  ids = sorted({r["data"] for r in records})
+  ref = f"tinyshakespeare:md5={CORPUS_MD5}"
+  return ref if ref in ids or not ids else ids[0]
+
+
+def study_state(study: Study, done: Mapping, data_id: str) -> dict:
+  """The study's plan read against the finished runs `done` on `data_id`,
+  as `benchmarks.reports.lm.study_summary` takes it: `benchmarks.study.state`
+  (per arm its tuning, choice and paired runs; the planned runs and those
+  not done) with the nanoGPT reference's configuration (a dict) and runs
+  ({seed: record})."""
+  runs, ref = finished(study, done, data_id), reference_tasks(study)
+  return dict(
+      study_lib.state(study, runs, ref),
+      data=data_id, reference_config=dataclasses.asdict(
+          reference_config(study)),
+      reference={t.seed: r for t in ref if (r := runs.record(t)) is not None})
+
+
+def previous_study(out: pathlib.Path) -> Optional[str]:
+  """The study whose report out's results.json holds, or None."""
+  path = out / "results.json"
+  if not path.is_file():
+    return None
+  return (json.loads(path.read_text()).get("study") or {}).get("name")
+
+
+def write_report(out: pathlib.Path, study: Optional[str] = None) -> dict:
+  """`benchmarks.reports.lm.report` of out's saved runs (results.json and
+  table.md; its return value); with study (a key of STUDIES), the study's
+  report from its state read from those runs. Without study, a folder
+  whose report is a study's (its results.json names it) keeps it: runs
+  added outside the plan, or a plain `--report-only`, never turn a study's
+  report into the per-configuration tables."""
+  records = harness.RunStore(out).records()
+  if study is None:
+    study = previous_study(out)
+  if study is None:
+    return report_lib.report(out, records, REPORT)
+  spec = STUDIES[study]
+  index = harness.finished_runs(records, current_version=False)
+  return report_lib.report(out, records, REPORT, study, spec,
+                           study_state(spec, index, study_data(index.values())))

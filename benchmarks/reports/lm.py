@@ -11,7 +11,7 @@ generated RESULTS.md section.
 The experiment's arms, their own fields and its named settings come in as
 an `Experiment`; a study comes in as its Study (read by field) with its
 state, the plan read against the finished runs
-(`benchmarks.lm.report.study_state`: which runs are each grid point's, each
+(`benchmarks.lm.study.study_state`: which runs are each grid point's, each
 arm's choice and paired runs).
 """
 
@@ -421,7 +421,7 @@ def baseline_check_lines(checks: Sequence[Mapping]) -> list:
 
 def study_summary(study: Study, state: Mapping) -> dict:
   """Everything the study's report says, from the study's state
-  (`benchmarks.lm.report.study_state`: the plan read against the finished
+  (`benchmarks.lm.study.study_state`: the plan read against the finished
   runs)."""
   tunings = {a: tuning_summary(study, a, state["tuning"][a])
              for a in study.names}
@@ -583,7 +583,7 @@ def report(out: pathlib.Path, records: Sequence[dict], experiment: Experiment,
   dict(table, references, comparisons, meta) and, for a study, its summary.
 
   study (a key of `benchmarks.lm.study.STUDIES`), with spec (that Study)
-  and state (`benchmarks.lm.report.study_state` of these records): the
+  and state (`benchmarks.lm.study.study_state` of these records): the
   study's report first (its tuning, choices, paired comparisons and
   findings), then the tables of the folder's runs outside the study's
   plan, without their ad hoc comparisons (the study's tables are the only
