@@ -19,7 +19,7 @@
 # Everything it writes goes under $OUT (default runs/accelerator): machine.txt,
 # speed/speed.json and speed.md, lm/ (runs, table.md, results.json), log.txt.
 # Knobs: BUDGET_S (whole script, default 450 s), SEEDS (default 0-7), SPEED
-# (default 1; 0 skips part (a), which tests/test_speed.py covers on CPU),
+# (default 1; 0 skips part (a), which tests/benchmarks/test_speed.py covers on CPU),
 # STIEFEL_LR, STIEFEL_CAP (the Stiefel Q/K peak lr and trust region, default
 # 0.3 and 0.3: chosen at the CPU config, not re-tuned at this one), DATA,
 # PYTHON (the interpreter; default .venv/bin/python, else python3).

@@ -23,7 +23,7 @@ are the reference: a fused c_attn (d, 3d) projection, whose q and k thirds
 `stiefel_optax.fused_qkv(n_head)` selects, no biases, a head tied to the
 token embedding, dropout, optional RMSNorm on the per-head queries and keys
 (the qk_norm arm).
-`tests/test_models.py` pins the parameters and outputs these benchmarks'
+`tests/benchmarks/test_models.py` pins the parameters and outputs these benchmarks'
 recorded runs were made with.
 """
 

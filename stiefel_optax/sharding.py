@@ -44,7 +44,7 @@ docs/performance.rst, "The frame view against the native layout"), the
 per-frame second moment has no kernel layout at all, and the state's
 structure, hence every checkpoint, would change. Mapping the shardings changes none of the numbers
 and puts each state leaf where the step computes, so the sharded step moves
-no state between devices (`tests/test_state_sharding.py`).
+no state between devices (`tests/test_sharding.py`).
 """
 
 from __future__ import annotations

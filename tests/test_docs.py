@@ -16,7 +16,6 @@ from __future__ import annotations
 import doctest
 import inspect
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -26,7 +25,8 @@ import pytest
 
 import stiefel_optax
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.rst"))
 # Names documented by an autodoc or py directive on docs/api.rst.

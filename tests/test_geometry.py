@@ -1,21 +1,56 @@
-"""Geometry of St(d, r): projection, polar factor, retraction, Newton–Schulz.
+"""Geometry of St(d, r) (stiefel_optax/geometry.py): projection, polar
+factor, retraction, Newton–Schulz.
 
-Shapes are tiny (d <= 16, r <= 4). float64 checks run under the `x64`
-fixture; float32 checks use the default precision.
+* Examples. Shapes are tiny (d <= 16, r <= 4). float64 checks run under
+  the `x64` fixture; float32 checks use the default precision.
+* Properties (hypothesis) over (batch, d, r, dtype). The projection is the
+  orthogonal projection onto T_W St; the retraction lands on the manifold
+  at the polar factor of W + xi (short and long steps, orthonormal and
+  non-orthonormal starts) and stays finite for a rank-deficient W + xi;
+  mismatched shapes are an error naming both. Each property compares
+  against an independent float64 NumPy computation, so a no-op or a wrong
+  map fails it (see each docstring for what would make it fail).
+  Tolerances are multiples of the dtype's machine epsilon (float64 runs
+  under `jax.enable_x64`). Shapes are drawn from a small pool
+  (`helpers.SHAPES`) and each check is one jitted function, so an example
+  costs a compilation only the first time its (shape, dtype) is drawn. The
+  example count is `helpers.SETTINGS` (50 each;
+  STIEFEL_HYPOTHESIS_EXAMPLES=500 for a longer search).
+* Safe on any input (hypothesis). Whatever W + xi a user passes, the
+  retraction lands on the manifold or, when W + xi is rank-deficient,
+  stays finite: starts that are not orthonormal (condition numbers up to
+  1e6, any scale), rank-deficient frames (a zero head, a zero column, low
+  rank), long steps (||xi||_F up to 10) under any radius, and shapes that
+  do not agree (an error naming both). Examples are random (not
+  derandomized) and many. The frames have one shape, that of the examples
+  above, so the compiled retraction is reused across examples and tests
+  (each new shape compiles its loops, about a second on a small CPU); the
+  shape checks, which compile nothing, draw any shapes.
+
+The properties of the whole step (Propositions 2 and 4 over shapes and
+dtypes) share the hypothesis helpers (tests/helpers.py) and are in
+tests/test_propositions.py.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from stiefel_optax import geometry
 import stiefel_optax as so
+
+from tests.helpers import (
+    SETTINGS, cases, data, fro, frames, haar, normal, np64, np_polar,
+    np_polar_batch, precision, project, rel, t)
 
 
 # float64 Newton–Schulz is sized for `newton_schulz_tol(float64)` ~ 1.1e-15
@@ -23,22 +58,6 @@ import stiefel_optax as so
 # `newton_schulz_accept_tol` (8 sqrt(r) eps = 3.6e-15 for r = 4); the
 # measurement itself rounds at a few 1e-16. This is the level promised.
 F64_NS = 1e-14
-
-
-def rel(a, b):
-  """||a - b||_F / ||b||_F over the whole array, as a float."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def np_polar(a):
-  """polar(A) = U V^T from a float64 SVD A = U S V^T (reference)."""
-  u, _, vt = np.linalg.svd(np.asarray(a, np.float64), full_matrices=False)
-  return u @ vt
-
-
-def np_polar_batch(a):
-  return np.stack([np_polar(x) for x in np.asarray(a)])
 
 
 def worst_tangent_step(w, delta):
@@ -515,6 +534,24 @@ def test_retract_under_vmap_equals_batched(frames, normal):
   assert float(jnp.max(so.isometry_error(mapped))) <= 3e-6
 
 
+def test_retract_takes_the_callers_step_norm():
+  """`retract(..., step_norm=n)` with n = ||xi||_F equals the retraction
+  that measures xi itself; a wrong n (or one of the wrong shape) is caught:
+  the certificate sends it to the fallback, the shape check raises."""
+  w = frames(43, (3, 16, 4))
+  xi = 0.1 * so.geometry.project_tangent(w, normal(44, w.shape))
+  own = geometry.retract(w, xi, max_step_norm=0.5)
+  given = geometry.retract(w, xi, max_step_norm=0.5,
+                           step_norm=geometry.frame_norm(xi))
+  assert rel(given, own) < 1e-6
+  off = geometry.retract(w, 10.0 * xi, max_step_norm=0.5,
+                         step_norm=jnp.zeros(3))       # far too small
+  assert float(jnp.max(so.isometry_error(off))) < 1e-5
+  assert rel(off, geometry.retract(w, 10.0 * xi, "eigh")) < 1e-5
+  with pytest.raises(ValueError, match="step_norm"):
+    geometry.retract(w, xi, step_norm=jnp.zeros(2))
+
+
 # ---------------------------------------------------------------------------
 # Errors naming the shape
 
@@ -569,3 +606,426 @@ def test_bad_method_raises(frames):
     so.polar(w, method="svd")
   with pytest.raises(ValueError, match="svd"):
     so.retract(w, w, method="svd")
+
+
+# ---------------------------------------------------------------------------
+# Properties (hypothesis): projection
+
+
+@functools.partial(jax.jit, static_argnames=("method",))
+def retract(w, xi, method):
+  return so.retract(w, xi, method)
+
+
+@SETTINGS
+@given(cases())
+def test_projection_is_the_orthogonal_projection(case):
+  """xi = P_W(G) is tangent (W^T xi skew), P_W(xi) = xi, and the removed
+  part N = G - xi is normal: N = W S with S = W^T N symmetric. Together
+  these pin P_W down (P = 0 fails N = W S, P = identity fails tangency)."""
+  batch, d, r, name, seed = case
+  ctx, dtype, eps = precision(name)
+  with ctx:
+    w, (g,) = data(batch, d, r, dtype, seed)
+    xi = project(w, g)
+    assert xi.dtype == dtype and xi.shape == g.shape
+    w64, g64, xi64 = np64(w), np64(g), np64(xi)
+    # Rounding of W^T G and W S in the dtype, per frame.
+    tol = 8 * eps * math.sqrt(d * r) * (1.0 + fro(g64))
+    assert np.all(fro(np64(project(w, xi)) - xi64) <= tol)
+    wtx = t(w64) @ xi64
+    assert np.all(fro(wtx + t(wtx)) <= tol)
+    normal = g64 - xi64
+    s = t(w64) @ normal
+    assert np.all(fro(s - t(s)) <= tol)
+    assert np.all(fro(normal - w64 @ s) <= tol)
+    # The reference: G - W sym(W^T G) in float64.
+    wtg = t(w64) @ g64
+    ref = g64 - w64 @ (0.5 * (wtg + t(wtg)))
+    assert np.all(fro(xi64 - ref) <= tol)
+
+
+@SETTINGS
+@given(cases(), st.integers(0, 3))
+def test_mismatched_shapes_are_an_error_naming_both(case, which):
+  """project_tangent and retract never broadcast: a gradient (or step)
+  whose shape differs from the frame's is a ValueError naming both shapes
+  (a (d, 1) gradient for a (d, r) frame would otherwise project r copies)."""
+  batch, d, r, _, _ = case
+  w_shape = batch + (d, r)
+  wrong = [batch + ((d, 1) if r > 1 else (d, 2)),      # too few/many columns
+           batch + (d + 1, r),                           # rows
+           (3,) + w_shape,                               # extra batch axis
+           (1,) + w_shape][which]                        # broadcastable
+  w = np.zeros(w_shape, np.float32)
+  g = np.zeros(wrong, np.float32)
+  for fn in (so.geometry.project_tangent, lambda w, g: so.retract(w, g, "eigh")):
+    with pytest.raises(ValueError, match=re.escape(str(w_shape))) as info:
+      fn(w, g)
+    assert str(tuple(wrong)) in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# Properties (hypothesis): retraction
+
+
+def isometry_tol(method, dtype, d, r, eps, kappa_m=1.0):
+  """What `retract` promises for ||Q^T Q - I||_F: Newton–Schulz certifies
+  ||Z Y - I||_F <= `newton_schulz_accept_tol` (8 sqrt(r) eps of the compute
+  dtype), eigh is exact up to rounding, and rounding the result to dtype
+  adds ~ 2 sqrt(r) eps(dtype). kappa_m = kappa((W + xi)^T (W + xi)): both
+  methods form M = A^T A, whose rounding (~eps kappa(M) relative in its
+  smallest eigenvalue) the certificate does not see; measured for tangent
+  steps of norm 30 in float32 (kappa(M) = 901): up to ~310 sqrt(r) eps
+  (0.34 kappa(M)), so the term below has a ~3x margin. kappa_m = 1 for
+  steps within the trust region (||xi||_F <= 1, kappa(M) <= 2) keeps the
+  documented level."""
+  cdtype = geometry.compute_dtype(dtype)
+  ceps = float(jnp.finfo(cdtype).eps)
+  tol = geometry.newton_schulz_accept_tol(cdtype, r) if (
+      method == "newton_schulz") else 8 * math.sqrt(r * d) * ceps
+  return tol + math.sqrt(r) * (ceps * kappa_m + 4 * eps)
+
+
+@SETTINGS
+@given(cases(), st.floats(0.0, 1.0), st.sampled_from([1.0, 30.0]),
+       st.sampled_from(geometry.RETRACTIONS))
+def test_retraction_is_the_polar_factor(case, fraction, longest, method):
+  """R_W(xi) for tangent xi with ||xi||_F up to 1 (the trust region's
+  range) or 30 (no trust region): on St(d, r) to what the retraction
+  promises, and equal to polar(W + xi) from a float64 SVD (a retraction
+  that returns W, or any other frame, fails the second check)."""
+  batch, d, r, name, seed = case
+  ctx, dtype, eps = precision(name)
+  step = fraction * longest
+  with ctx:
+    w, (g,) = data(batch, d, r, dtype, seed)
+    cdtype = geometry.compute_dtype(dtype)
+    xi = project(w.astype(cdtype), g.astype(cdtype))
+    xi = xi * (step / np.maximum(fro(xi), 1e-30))[..., None, None].astype(
+        cdtype)
+    new = retract(w, xi, method)
+    assert new.dtype == dtype and new.shape == w.shape
+    n = np64(new)
+    err = fro(t(n) @ n - np.eye(r))
+    kappa_m = 1.0 if step <= 1.0 else 1.0 + step ** 2
+    assert np.all(err <= isometry_tol(method, dtype, d, r, eps, kappa_m)), err
+    # polar(W + xi) is well conditioned (singular values >= 1): the result
+    # is its value up to the rounding of W + xi, of M and of the output.
+    ref = np_polar(np64(w) + np64(xi))
+    ceps = float(jnp.finfo(cdtype).eps)
+    tol = (4 * eps + 64 * ceps + ceps * kappa_m) * math.sqrt(d * r)
+    assert np.all(fro(n - ref) <= tol), fro(n - ref)
+
+
+@SETTINGS
+@given(cases(dtypes=("float32", "float64")), st.floats(-1.0, 1.0),
+       st.floats(0.0, 0.5), st.sampled_from(geometry.RETRACTIONS))
+def test_retraction_from_a_non_orthonormal_start(case, log10_spread, step,
+                                                 method):
+  """W with singular values spread over [10^-s, 10^s] (s <= 1, e.g. a
+  pretrained or Flax-scaled kernel) and any step: R_W(xi) = polar(W + xi)
+  and lands on the manifold (the fixed Newton–Schulz count alone diverges
+  here: its certificate must send it to the fallback)."""
+  batch, d, r, name, seed = case
+  ctx, dtype, eps = precision(name)
+  rng = np.random.default_rng(seed)
+  u, v = haar(rng, batch + (d, r)), haar(rng, batch + (r, r))
+  sigma = 10.0 ** (log10_spread * rng.uniform(-1.0, 1.0, batch + (r,)))
+  w64 = (u * sigma[..., None, :]) @ t(v)
+  # ||xi||_F <= sigma_min(W) / 2, so W + xi keeps full rank (kappa(W + xi)
+  # <= 3 kappa(W) <= 300).
+  xi64 = rng.standard_normal(w64.shape)
+  xi64 *= (step * np.min(sigma, axis=-1) / fro(xi64))[..., None, None]
+  with ctx:
+    w, xi = jnp.asarray(w64, dtype), jnp.asarray(xi64, dtype)
+    new = np64(retract(w, xi, method))
+    ref = np_polar(np64(w) + np64(xi))
+    a = np64(w) + np64(xi)
+    sv = np.linalg.svd(a, compute_uv=False)
+    kappa = sv[..., 0] / sv[..., -1]
+    err = fro(t(new) @ new - np.eye(r))
+    assert np.all(err <= isometry_tol(method, dtype, d, r, eps,
+                                      np.max(kappa) ** 2)), err
+    # polar(A) moves by ~eps kappa(A) under a rounding of A.
+    tol = 64 * eps * math.sqrt(d * r) * kappa
+    assert np.all(fro(new - ref) <= tol), (fro(new - ref), tol)
+
+
+@SETTINGS
+@given(cases(dtypes=("float32", "float64")), st.floats(0.0, 2.0),
+       st.floats(0.0, 0.5), st.sampled_from(geometry.RETRACTIONS))
+def test_retraction_of_a_rank_deficient_frame_is_finite(case, c, step,
+                                                        method):
+  """W + xi with one column c times another (c = 0: a zero head), so
+  (W + xi)^T (W + xi) is singular and no polar factor exists: the result
+  must still be finite with the frame's shape and dtype, never NaN or Inf
+  (an unguarded inverse square root of the zero eigenvalue, or a
+  Newton–Schulz iterate that a rounded-negative eigenvalue makes grow like
+  (9/4)^k, fails it). Which finite frame comes back is not specified (the
+  rounding of the null direction decides it), so nothing else is checked;
+  `init` is where a rank-deficient start is reported."""
+  batch, d, r, name, seed = case
+  r = max(r, 2)                     # every pool shape has d >= 2
+  ctx, dtype, _ = precision(name)
+  rng = np.random.default_rng(seed)
+  w64 = haar(rng, batch + (d, r))
+  xi64 = rng.standard_normal(w64.shape)
+  xi64 *= (step / fro(xi64))[..., None, None]
+  j, k = rng.choice(r, 2, replace=False)
+  w64[..., :, j] = c * w64[..., :, k]
+  xi64[..., :, j] = c * xi64[..., :, k]
+  with ctx:
+    w, xi = jnp.asarray(w64, dtype), jnp.asarray(xi64, dtype)
+    new = retract(w, xi, method)
+    assert new.dtype == dtype and new.shape == w.shape
+    assert np.all(np.isfinite(np64(new))), new
+
+
+# ---------------------------------------------------------------------------
+# Safe on any input (hypothesis)
+
+
+# The `certificate` fixture is a stateless recorder: safe to share between
+# the examples of one test.
+RECORDING = settings(SETTINGS, suppress_health_check=[
+    HealthCheck.function_scoped_fixture])
+
+
+SAFE_SHAPES = [(3, 8, 4)]                 # (batch, d, r)
+
+
+RADII = [None, 0.1, 1.0]                  # retract's max_step_norm
+
+
+def iso(x):
+  """Largest ||X^T X - I||_F of the batch, measured in float64."""
+  x = np.asarray(x, np.float64)
+  gram = np.swapaxes(x, -1, -2) @ x
+  return float(np.max(np.linalg.norm(gram - np.eye(x.shape[-1]),
+                                     axis=(-2, -1))))
+
+
+def spread(rng, shape, kappa, scale):
+  """A = U diag(s) V^T with singular values spanning exactly [1, kappa]
+  (log-uniform inside) times `scale`: a full-rank frame that is not
+  orthonormal, of condition number kappa."""
+  batch, d, r = shape
+  u = np.linalg.qr(rng.standard_normal((batch, d, r)))[0]
+  v = np.linalg.qr(rng.standard_normal((batch, r, r)))[0]
+  s = np.exp(rng.uniform(0.0, math.log(kappa), (batch, r)))
+  s[:, 0], s[:, -1] = 1.0, kappa
+  return scale * np.einsum("bdr,br,bsr->bds", u, s, v)
+
+
+def with_norm(x, norm):
+  """x rescaled to ||x||_F = norm per frame."""
+  n = np.linalg.norm(x, axis=(-2, -1), keepdims=True)
+  return x * (norm / np.maximum(n, 1e-300))
+
+
+def tangent(rng, w, norm):
+  """A random tangent step at the orthonormal frames w, ||xi||_F = norm."""
+  g = rng.standard_normal(w.shape)
+  wtg = np.swapaxes(w, -1, -2) @ g
+  xi = g - w @ (0.5 * (wtg + np.swapaxes(wtg, -1, -2)))
+  return with_norm(xi, norm)
+
+
+@st.composite
+def starts(draw, max_log_kappa):
+  """(shape, kappa, scale, step norm, radius, seed)."""
+  shape = draw(st.sampled_from(SAFE_SHAPES))
+  kappa = 10.0 ** draw(st.floats(0.0, max_log_kappa))
+  scale = 10.0 ** draw(st.floats(-3.0, 3.0))
+  step = draw(st.floats(0.0, 10.0))
+  radius = draw(st.sampled_from(RADII))
+  return shape, kappa, scale, step, radius, draw(st.integers(0, 2**31 - 1))
+
+
+# ---------------------------------------------------------------------------
+# Safe on any input: full-rank starts that are not orthonormal
+
+
+@RECORDING
+@given(case=starts(max_log_kappa=6.0))
+def test_any_full_rank_start_lands_on_the_manifold_float64(case, certificate):
+  """kappa(W + xi) up to 1e6, any scale, any step, any radius: isometry
+  <= 1e-12, polar(W + xi) up to its conditioning (a Gram-based factor is
+  accurate to ~eps kappa^2), and the M-scaled pass takes no more steps
+  than derived for kappa(M) = kappa^2."""
+  shape, kappa, scale, step, radius, seed = case
+  rng = np.random.default_rng(seed)
+  with jax.enable_x64(True):
+    a = spread(rng, shape, kappa, scale)
+    xi = with_norm(rng.standard_normal(shape), step)
+    w = jnp.asarray(a - xi)
+    out = so.retract(w, jnp.asarray(xi), max_step_norm=radius)
+    assert out.dtype == jnp.float64 and out.shape == w.shape
+    certificate("safety: isometry, any full-rank start (f64)", iso(out))
+    assert iso(out) <= 1e-12
+    # The reference from W + xi as rounded (a - xi + xi is not a when the
+    # step dwarfs A).
+    ref = np_polar(np.asarray(w) + xi)
+    assert rel(out, ref) <= 1e-14 * kappa ** 2 + 1e-13
+    # The same through the transform, told the steps are not tangent;
+    # optax's W + (Q - W) rounds at eps |W|, which can be large here.
+    tx = so.retract_polar(tangent=False)
+    update, _ = tx.update(jnp.asarray(xi), tx.init(w), w)
+    big = float(np.max(np.abs(np.asarray(w))))
+    assert iso(optax.apply_updates(w, update)) <= 1e-12 + 1e-14 * big
+    a = jnp.asarray(a)
+    p = so.polar(a, "newton_schulz")
+    assert iso(p) <= 1e-12
+    assert rel(p, np_polar(a)) <= 1e-14 * kappa ** 2 + 1e-13
+    r = shape[-1]
+    tol = math.sqrt(geometry.newton_schulz_accept_tol(jnp.float64, r))
+    _, steps, _ = geometry.inv_sqrt_newton_schulz(
+        geometry.gram(a), tol,
+        max_steps=geometry.newton_schulz_max_steps(jnp.float64, r))
+    assert int(steps) <= geometry.newton_schulz_fallback_steps(
+        kappa ** 2, r, tol)
+
+
+@RECORDING
+@given(case=starts(max_log_kappa=2.0))
+def test_moderately_conditioned_start_float32(case, certificate):
+  """float32, kappa(W + xi) up to 1e2: isometry <= 1e-5."""
+  shape, kappa, scale, step, radius, seed = case
+  rng = np.random.default_rng(seed)
+  a = spread(rng, shape, kappa, scale)
+  xi = with_norm(rng.standard_normal(shape), step)
+  w = jnp.asarray(a - xi, jnp.float32)
+  xi = jnp.asarray(xi, jnp.float32)
+  out = so.retract(w, xi, max_step_norm=radius)
+  assert out.dtype == jnp.float32
+  certificate("safety: isometry, kappa <= 1e2 start (f32)", iso(out))
+  assert iso(out) <= 1e-5
+  # kappa(M) = 1e4 costs float32 ~ eps kappa^2 in the factor itself.
+  assert rel(out, np_polar(np.asarray(w, np.float64) + np.asarray(xi))) <= (
+      1e-6 * kappa ** 2 + 1e-5)
+  assert iso(so.polar(w + xi, "newton_schulz")) <= 1e-5
+
+
+# ---------------------------------------------------------------------------
+# Safe on any input: rank-deficient frames
+
+
+@SETTINGS
+@given(st.sampled_from(SAFE_SHAPES), st.sampled_from(["float32", "float64"]),
+       st.sampled_from(["zero head", "zero column", "low rank"]),
+       st.floats(-3.0, 3.0), st.sampled_from(RADII), st.booleans(),
+       st.integers(0, 2**31 - 1))
+def test_rank_deficient_frames_stay_finite_on_every_path(
+    shape, dtype, kind, log_scale, radius, tangent_step, seed):
+  """Frame 1 of the batch is rank-deficient: the result is finite (and
+  bounded) on every path; frame 0 (full rank) still lands on the manifold."""
+  rng = np.random.default_rng(seed)
+  batch, d, r = shape
+  a = spread(rng, shape, 10.0, 10.0 ** log_scale)
+  if kind == "zero head":
+    a[1] = 0.0
+  elif kind == "zero column":
+    a[1, :, rng.integers(r)] = 0.0
+  else:
+    rank = int(rng.integers(1, r))
+    a[1] = rng.standard_normal((d, rank)) @ rng.standard_normal((rank, r))
+  ctx, dt, _ = precision(dtype)
+  with ctx:
+    xi = np.zeros(shape)
+    if tangent_step:   # the step is part of W + xi: move it into W
+      xi = with_norm(rng.standard_normal(shape), 0.05)
+    w, xi = jnp.asarray(a - xi, dt), jnp.asarray(xi, dt)
+    outs = [so.retract(w, xi, max_step_norm=radius),
+            so.retract(w, xi, tangent=False),
+            so.polar(w + xi, "newton_schulz")]
+    for out in outs:
+      assert out.dtype == dt
+      assert bool(jnp.all(jnp.isfinite(out)))
+      assert float(jnp.max(jnp.abs(out))) <= 1e3
+      assert iso(out[0]) <= (1e-5 if dtype == "float32" else 1e-12)
+
+
+# ---------------------------------------------------------------------------
+# Safe on any input: long steps from an orthonormal frame
+
+
+@SETTINGS
+@given(st.sampled_from(SAFE_SHAPES), st.sampled_from(["float32", "float64"]),
+       st.floats(0.0, 10.0), st.sampled_from(RADII), st.integers(0, 2**31 - 1))
+def test_long_tangent_steps_under_any_radius(shape, dtype, step, radius, seed):
+  """Orthonormal W, tangent ||xi||_F up to 10, radius smaller or larger than
+  the step (or none): exactly the eigh retraction, on the manifold to the
+  dtype's rounding; also through `retract_polar` and `optax.apply_updates`."""
+  rng = np.random.default_rng(seed)
+  w = np.linalg.qr(rng.standard_normal(shape))[0]
+  xi = tangent(rng, w, step)
+  ctx, dt, _ = precision(dtype)
+  with ctx:
+    w, xi = jnp.asarray(w, dt), jnp.asarray(xi, dt)
+    out = so.retract(w, xi, max_step_norm=radius)
+    exact = np_polar(np.asarray(w, np.float64) + np.asarray(xi, np.float64))
+    f32 = dtype == "float32"
+    assert iso(out) <= (3e-6 if f32 else F64_NS)
+    # kappa(W + xi) <= sqrt(1 + step^2) <= 10.
+    assert rel(out, exact) <= (1e-5 if f32 else 1e-13)
+    tx = so.retract_polar(max_step_norm=radius)
+    update, _ = tx.update(xi, tx.init(w), w)
+    moved = optax.apply_updates(w, update)
+    assert iso(moved) <= (3e-6 if f32 else F64_NS)
+
+
+# ---------------------------------------------------------------------------
+# Safe on any input: shapes that do not agree
+
+
+@st.composite
+def mismatched(draw):
+  """Two different shapes (..., d, r) with d >= r >= 1 for the frame."""
+  d = draw(st.integers(1, 6))
+  r = draw(st.integers(1, d))
+  batch = draw(st.sampled_from([(), (2,), (1, 3)]))
+  frame = batch + (d, r)
+  other = (draw(st.sampled_from([(), (2,), (3,)]))
+           + draw(st.tuples(st.integers(1, 7), st.integers(1, 7))))
+  if other == frame:
+    other = frame[:-1] + (r + 1,)
+  return frame, other
+
+
+def names_both(info, fn, a, b):
+  msg = str(info.value)
+  assert msg.startswith(fn + ":"), msg
+  assert str(tuple(a)) in msg and str(tuple(b)) in msg, msg
+
+
+@SETTINGS
+@given(mismatched())
+def test_mismatched_shapes_raise_naming_both(shapes):
+  """project_tangent and retract never broadcast W against G or xi, and
+  the transforms name the leaf path with both shapes."""
+  frame, other = shapes
+  # NumPy inputs: the checks run before any jnp op, so nothing compiles.
+  w, g = np.ones(frame, np.float32), np.ones(other, np.float32)
+  with pytest.raises(ValueError) as info:
+    so.geometry.project_tangent(w, g)
+  names_both(info, "project_tangent", frame, other)
+  with pytest.raises(ValueError) as info:
+    so.retract(w, g)
+  names_both(info, "retract", frame, other)
+  if frame[:-1] != other[:-1]:
+    with pytest.raises(ValueError) as info:
+      geometry.gram(w, g)
+    names_both(info, "gram", frame, other)
+  for name, tx in (("project_to_tangent", so.project_to_tangent()),
+                   ("retract_polar", so.retract_polar())):
+    # Orthonormal frames, so that init's start check passes. init runs
+    # abstractly (its leaf checks run, the concrete start statistics, a
+    # compiled program per drawn shape, are skipped): the state is empty.
+    params = {"attn": {"query": np.broadcast_to(
+        np.eye(frame[-2], frame[-1], dtype=np.float32), frame)}}
+    state = jax.eval_shape(tx.init, params)
+    with pytest.raises(ValueError) as info:
+      tx.update({"attn": {"query": g}}, state, params)
+    names_both(info, name, frame, other)
+    assert "['attn']['query']" in str(info.value)

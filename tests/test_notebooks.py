@@ -7,14 +7,14 @@ process's JAX (the same venv that CI creates). How long it takes is not
 asserted here: timing belongs in the benchmarks.
 """
 
-import pathlib
-
 import matplotlib
 import nbformat
 import numpy as np
 import pytest
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+from tests.helpers import ROOT
+
+NOTEBOOKS = ROOT / "notebooks"
 
 
 def run_notebook(path):

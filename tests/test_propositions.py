@@ -1,36 +1,66 @@
 """The paper's five propositions and the gauge negative result,
-certified numerically in float64 to <= 1e-12 relative.
+certified numerically in float64 to <= 1e-12 relative; the attention-logit
+bound of orthonormal Q/K frames; and Propositions 2 and 4 as property tests
+(hypothesis) of the whole step over (batch, d, r, dtype).
 
 Each certificate is recorded (see conftest.py) and printed in the terminal
 summary. Each proposition also has a control that the same measurement
 fails when the property is absent, so the certificates can fail.
+
+The logit bound. If each head's query and key frames W_Q, W_K (d, r) are
+orthonormal (W^T W = I_r), then for any tokens x_i, x_j and biases b_q, b_k
+
+    |(W_Q^T x_i + b_q) . (W_K^T x_j + b_k)| / sqrt(r)
+        <= (||x_i|| + ||b_q||) (||x_j|| + ||b_k||) / sqrt(r),
+
+because ||W^T x|| <= ||x|| for an orthonormal W (its spectral norm is 1),
+then Cauchy-Schwarz and the triangle inequality. Without biases the bound is
+||x_i|| ||x_j|| / sqrt(r). The certificate measures the largest ratio of
+logit to bound over every head and token pair of a linen attention layer
+whose kernels `so.orthonormalize` made orthonormal (it must be <= 1); the
+control runs the same measurement on nanoGPT-scaled Gaussian kernels
+(std 1, not orthonormal), where the bound fails, so the certificate can
+fail.
+
+The property tests compare a transformed run with the base run (rotated
+inputs, scaled gradients); the hypothesis helpers are shared with
+tests/test_geometry.py (tests/helpers.py).
 """
 
 from __future__ import annotations
 
+import math
+
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, strategies as st
 
 import stiefel_optax as so
 from stiefel_optax import geometry
 
-import equivariance
+from tests import equivariance
+from tests.helpers import (
+    SETTINGS, cases, data, fro, haar_reflection, np64, precision, project,
+    quadratic, rel, runner)
+
 
 TOL = 1e-12
+
+
 METHODS = geometry.RETRACTIONS
+
+
 SHAPE = (2, 8, 4)                 # two frames in St(8, 4)
+
+
 # Learning rate: early steps are capped by the trust region (0.1), late
 # ones are not, so both branches of the cap are in every certificate.
 LR = optax.linear_schedule(0.3, 0.02, 20)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def inner(a, b):
@@ -40,40 +70,6 @@ def inner(a, b):
 
 def skew(a):
   return 0.5 * (a - jnp.swapaxes(a, -1, -2))
-
-
-def quadratic(seed, d=SHAPE[-2], batch=SHAPE[:-2]):
-  """(A, B) of G(W) = -A W + B, the gradient of -tr(W^T A W)/2 + <B, W>."""
-  rng = np.random.default_rng(seed)
-  a = rng.standard_normal((d, d))
-  b = rng.standard_normal(batch + (d, SHAPE[-1]))
-  return jnp.asarray(a + a.T), jnp.asarray(b)
-
-
-def runner(tx, steps=20):
-  """jit(w0, a, b, c, h=0.) -> the frames after each of `steps` steps of
-  `tx` on the gradients c (-A W + B); one compilation serves every
-  (a, b, c, h). `tx` may be a function of a (traced) hyperparameter h."""
-
-  @jax.jit
-  def run(w0, a, b, c, h=0.0):
-    tx_h = tx(h) if callable(tx) else tx
-
-    def body(carry, _):
-      w, state = carry
-      u, state = tx_h.update(c * (-a @ w + b), state, w)
-      w = optax.apply_updates(w, u)
-      return (w, state), w
-
-    _, traj = jax.lax.scan(body, (w0, tx_h.init(w0)), None, length=steps)
-    return traj
-
-  return run
-
-
-def haar_orthogonal(seed, d):
-  """Q in O(d) with det Q = -1 (a reflection, the harder half of O(d))."""
-  return jnp.asarray(equivariance.haar_orthogonal(seed, d, det=-1))
 
 
 # ---------------------------------------------------------------------------
@@ -247,7 +243,7 @@ def test_p4_one_step_from_rotated_state(x64, frames, normal, certificate):
   state (QW, QG, Qm, v) gives Q times the step, and the new moment is Qm."""
   w, g = frames(13, SHAPE), normal(14, SHAPE)
   m = so.geometry.project_tangent(w, normal(15, SHAPE))
-  q = haar_orthogonal(16, SHAPE[-2])
+  q = haar_reflection(16, SHAPE[-2])
   tx = so.stiefel_adam(0.05, retraction="newton_schulz")
 
   @jax.jit                         # one compilation for both calls
@@ -357,7 +353,7 @@ def test_gauge_direction_carries_no_gradient(x64, frames, normal,
   wq, wk = frames(19, SHAPE), frames(20, SHAPE)
   x = normal(21, (6, SHAPE[-2]))
   t = jax.nn.softmax(normal(22, (SHAPE[0], 6, 6)), axis=-1)
-  o = jnp.stack([haar_orthogonal(23 + h, SHAPE[-1]) for h in range(SHAPE[0])])
+  o = jnp.stack([haar_reflection(23 + h, SHAPE[-1]) for h in range(SHAPE[0])])
   omega = skew(normal(25, (SHAPE[0], SHAPE[-1], SHAPE[-1])))
 
   @jax.jit
@@ -387,3 +383,138 @@ def test_gauge_direction_carries_no_gradient(x64, frames, normal,
   err = certificate("gauge: invariance, no gradient along W O",
                     max(err_inv, err_grad, err_riem))
   assert err <= TOL
+
+
+# ---------------------------------------------------------------------------
+# The attention-logit bound of orthonormal per-head Q/K frames
+
+
+D, HEADS, HEAD_DIM, T = 16, 4, 4, 12
+
+
+def logit_to_bound(params, x):
+  """max over heads and token pairs of |q_i . k_j| / bound_ij, for linen
+  query/key kernels (d, heads, r) with biases (heads, r)."""
+  q_p, k_p = params["query"], params["key"]
+  q = jnp.einsum("td,dhr->htr", x, q_p["kernel"]) + q_p["bias"][:, None]
+  k = jnp.einsum("td,dhr->htr", x, k_p["kernel"]) + k_p["bias"][:, None]
+  logits = jnp.abs(jnp.einsum("hir,hjr->hij", q, k)) / np.sqrt(HEAD_DIM)
+  xn = jnp.linalg.norm(x, axis=-1)                       # (T,)
+  bq = jnp.linalg.norm(q_p["bias"], axis=-1)             # (heads,)
+  bk = jnp.linalg.norm(k_p["bias"], axis=-1)
+  bound = ((xn[None, :, None] + bq[:, None, None])
+           * (xn[None, None, :] + bk[:, None, None])) / np.sqrt(HEAD_DIM)
+  return float(jnp.max(logits / bound))
+
+
+def attention_params(seed):
+  """A linen MultiHeadDotProductAttention's parameters in float64, biases
+  drawn large so that they matter in the bound."""
+  mha = nn.MultiHeadDotProductAttention(num_heads=HEADS,
+                                        qkv_features=HEADS * HEAD_DIM,
+                                        param_dtype=jnp.float64)
+  x = jnp.zeros((1, T, D), jnp.float64)
+  params = mha.init(jax.random.PRNGKey(seed), x)["params"]
+  for name in ("query", "key"):
+    params[name]["bias"] = jax.random.normal(
+        jax.random.PRNGKey(seed + 100), (HEADS, HEAD_DIM), jnp.float64)
+  return params
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_logit_bound_orthonormal_frames(x64, seed, certificate):
+  params = so.orthonormalize(attention_params(seed))
+  assert so.max_isometry_error(params) < 1e-12
+  # Tokens aligned with a query direction make the bound nearly tight.
+  x = jax.random.normal(jax.random.PRNGKey(seed + 7), (T, D), jnp.float64)
+  x = x.at[0].set(3.0 * params["query"]["kernel"][:, 0, 0])
+  x = x.at[1].set(3.0 * params["key"]["kernel"][:, 0, 0])
+  ratio = certificate(f"logit bound: max logit / bound (seed {seed})",
+                      logit_to_bound(params, x))
+  assert ratio <= 1.0 + 1e-12
+  assert ratio > 0.3          # the measurement sees logits near the bound
+
+
+def test_logit_bound_fails_without_orthonormal_frames(x64):
+  params = attention_params(0)
+  for name in ("query", "key"):
+    params[name]["kernel"] = jax.random.normal(
+        jax.random.PRNGKey(3), params[name]["kernel"].shape, jnp.float64)
+  x = jax.random.normal(jax.random.PRNGKey(7), (T, D), jnp.float64)
+  assert so.max_isometry_error(params) > 0.1
+  assert logit_to_bound(params, x) > 1.0
+
+
+# ---------------------------------------------------------------------------
+# Properties (hypothesis): Propositions 4 and 2 over shapes and dtypes
+
+
+# One optimizer for the equivariance and the scale properties (eps = 0,
+# the scale-free variant), so that they share one compiled step per
+# (shape, dtype) (`equivariance.trajectory` caches it).
+TX = so.stiefel_adam(0.05, eps=0.0)
+
+
+def run(w, grads):
+  """The frames after each step of TX."""
+  return equivariance.trajectory(TX, w, grads)[0]
+
+
+@jax.jit
+def first_adam_step(g, w):
+  """The first step of scale_by_frame_adam with eps > 0: g / (||g|| + eps)."""
+  tx = so.scale_by_frame_adam(eps=1e-6)
+  return tx.update(g, tx.init(w), w)[0]
+
+
+@SETTINGS
+@given(cases(), st.sampled_from([1, -1]))
+def test_step_is_equivariant_under_orthogonal_maps(case, det):
+  """Proposition 4 over three steps (so the momentum transport is
+  included): frames and momentum from (QW, QG) are Q times those from
+  (W, G), second moments equal. The base run must move (`min_motion`);
+  optax.adam, a per-coordinate second moment, fails the same check
+  (tests/test_aliases.py)."""
+  batch, d, r, name, seed = case
+  ctx, dtype, eps = precision(name)
+  with ctx:
+    w, gs = data(batch, d, r, dtype, seed, n_grads=3)
+    q = equivariance.haar_orthogonal(seed + 1, d, det=det)
+    # Rounding Q W and Q G to the dtype already differs at its epsilon;
+    # each step is well conditioned, so the difference stays at that level.
+    atol = 16 * eps if name != "bfloat16" else 4 * eps
+    # The momentum sums projected gradients: where it cancels (d = 2,
+    # r = 1 has a one-dimensional tangent space), its rounding is relative
+    # to the gradients, not to itself. A momentum that does not rotate is
+    # off by O(1).
+    state_atol = min(1024 * eps, 0.1)
+    equivariance.assert_od_equivariant(TX, w, gs, q, atol=atol,
+                                       state_atol=state_atol, min_motion=1e-2)
+
+
+@SETTINGS
+@given(cases(), st.integers(-8, 8), st.floats(1e-3, 1e3))
+def test_scale_independence_with_eps_zero(case, k, c):
+  """Proposition 2: with eps = 0, gradients c G give the trajectory of G;
+  for c = 2^k (exact in floating point) bit for bit. The trajectory moves,
+  and with eps > 0 a tiny gradient gives a shorter step (the property is
+  not that of a constant map)."""
+  batch, d, r, name, seed = case
+  ctx, dtype, eps = precision(name)
+  with ctx:
+    w, gs = data(batch, d, r, dtype, seed, n_grads=3)
+    base = run(w, gs)
+    assert np.all(fro(np64(base[0]) - np64(w)) > 1e-2)      # it moves
+    pow2 = run(w, [g * jnp.asarray(2.0 ** k, dtype) for g in gs])
+    for a, b in zip(base, pow2):
+      np.testing.assert_array_equal(np64(a), np64(b))
+    scaled = run(w, [jnp.asarray(np64(g) * c, dtype) for g in gs])
+    for a, b in zip(base, scaled):
+      # c G rounds in the dtype: equal up to a few of its epsilons.
+      assert np.all(fro(np64(a) - np64(b)) <= 16 * eps * math.sqrt(d * r))
+    # eps > 0 is not scale-free: a tiny gradient gives a smaller step.
+    if name != "bfloat16":
+      g = project(w, gs[0])
+      u_base = fro(first_adam_step(g, w))
+      u_tiny = fro(first_adam_step(g * jnp.asarray(1e-9, dtype), w))
+      assert np.all(u_tiny < 0.5 * u_base)

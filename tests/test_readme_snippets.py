@@ -8,7 +8,6 @@ pages (the long forms of the README's sections, e.g. docs/families.md) are
 held to the same rules, and the README links each of them.
 """
 
-import pathlib
 import re
 
 import jax
@@ -17,7 +16,8 @@ import pytest
 
 import stiefel_optax as so
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 README = ROOT / "README.md"
 DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README] + DOC_PAGES

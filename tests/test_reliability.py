@@ -19,6 +19,7 @@ import pytest
 
 import stiefel_optax as so
 from benchmarks import long_run as lr
+from tests.helpers import frame_adam_states
 
 D, HEADS, HEAD_DIM = 8, 2, 4
 LR = 1e-2
@@ -48,16 +49,9 @@ def make_step(tx):
   return step
 
 
-def frame_states(state):
-  """Every ScaleByFrameAdamState inside an optimizer state."""
-  return [s for s in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, so.ScaleByFrameAdamState))
-          if isinstance(s, so.ScaleByFrameAdamState)]
-
-
 def frame_moments(state):
   """{path: (mu, nu)} of the Stiefel leaves (frame views; MaskedNodes out)."""
-  (fs,) = frame_states(state)
+  (fs,) = frame_adam_states(state)
   out = {}
   for (p, mu), nu in zip(jax.tree_util.tree_leaves_with_path(fs.mu),
                          jax.tree.leaves(fs.nu)):
@@ -182,7 +176,7 @@ def test_euclidean_group_does_not_skip(warm):
   assert not bool(jnp.all(jnp.isfinite(new["attn"]["out"]["kernel"])))
   assert all_finite({k: new["attn"][k] for k in ("query", "key", "value")})
   assert max_err(new) <= 1e-5
-  assert all_finite(frame_states(new_state))
+  assert all_finite(frame_adam_states(new_state))
 
 
 # Bad steps inserted into a run under apply_if_finite: which gradients go bad.
@@ -297,14 +291,14 @@ def test_low_precision_dtypes_and_mu_dtype():
     assert {updates["attn"][k]["kernel"].dtype for k in ("query", "key")} == {
         jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(new)} == {jnp.dtype(jnp.bfloat16)}
-    (fs,) = frame_states(state)
+    (fs,) = frame_adam_states(state)
     assert {x.dtype for x in jax.tree.leaves(fs.mu)} == {jnp.dtype(want_mu)}
     assert {x.dtype for x in jax.tree.leaves(fs.nu)} == {jnp.dtype(jnp.float32)}
     assert max_err(new) <= 2e-2 and all_finite(new)
   # mu_dtype lowers precision too: float32 frames, bfloat16 first moment.
   tx = so.stiefel_adam(LR, mu_dtype="bfloat16")
   w = so.random_frames(jax.random.PRNGKey(3), (2, 8, 4))
-  (fs,) = frame_states(tx.init({"w": w}))
+  (fs,) = frame_adam_states(tx.init({"w": w}))
   assert fs.mu["w"].dtype == jnp.bfloat16 and fs.nu["w"].dtype == jnp.float32
 
 
@@ -492,7 +486,7 @@ def test_good_inputs_pass_the_same_checks():
   so.check_frames(p)
   so.check_frames(_off_manifold(1.0 + 1e-7))
   state = so.stiefel_attention(LR).init(p)  # validates frames and start
-  assert len(frame_states(state)) == 1
+  assert len(frame_adam_states(state)) == 1
   _update(so.stiefel_adam(LR), {"w": so.random_frames(jax.random.PRNGKey(0),
                                                        (8, 8))})  # r = d
 
@@ -516,7 +510,7 @@ def test_zero_gradient_with_eps_zero(which):
     assert all_finite(upd) and all_finite(state)
     # The Stiefel step is the retraction's re-polarisation only (rounding).
     assert max(float(jnp.max(jnp.abs(u))) for u in jax.tree.leaves(upd)) <= 1e-6
-  (fs,) = frame_states(state)
+  (fs,) = frame_adam_states(state)
   assert all(bool(jnp.all(v == 0)) for v in jax.tree.leaves(fs.nu))
   if which == "stiefel_adam":
     g = {"w": jax.random.normal(jax.random.PRNGKey(7), (3, 8, 4))}

@@ -1,346 +1,469 @@
-"""The Stiefel step sharded on 8 simulated CPU devices, both ways.
+"""`state_shardings` (stiefel_optax/sharding.py): the optimizer state
+sharded as its parameters, on 8 simulated CPU devices.
 
-XLA reads `--xla_force_host_platform_device_count` when jax initialises its
-CPU backend, so the sharded programs run in a child process that sets
-XLA_FLAGS before importing jax; it prints one JSON line that the tests read.
-Each case runs 3 steps of `stiefel_attention` unsharded and sharded (the
-stacked heads case against the per-leaf case's unsharded run, on the same
-params and gradients), and reads the collectives of the compiled sharded
-update (the executable that ran).
+As a MaxText user does: a linen model whose kernels carry logical axis names
+(`nn.with_logical_partitioning`), `nn.get_partition_spec` of the boxed
+params, then `stiefel_optax.state_shardings(tx, params, specs)` and
+`nn.logical_to_mesh_sharding` for the state. The step (update + apply) is
+jitted with those in/out shardings and run against the unsharded one; the
+state it returns is read leaf by leaf, and the compiled program's
+collectives are counted (`helpers.collectives`). The sharded programs run
+in a child process that sets XLA_FLAGS before importing jax (as
+`tests/test_sharded_step.py` does), which prints one JSON line.
 
-* Heads-sharded: the query/key kernels (d, heads, head_dim) sharded over the
-  heads axis put every frame whole on one device; the update must equal the
-  unsharded one and move no array between devices (only the retraction's
-  whole-batch pred[] decisions are all-reduced).
-* FSDP: the kernels, and every other leaf with d rows, sharded over d
-  (axis 0, the model axis) cut every frame into row blocks. The step needs
-  only r x r Gram blocks (W^T G, W^T m, (W + xi)^T (W + xi), and Q^T Q in
-  the retraction's fallback branch) and per-frame norms, sums over rows, so
-  the compiled update must hold no all-gather, all-to-all, collective-permute
-  or reduce-scatter: only all-reduces of (r x r) blocks and per-frame
-  scalars, whose operands (shape and number) are pinned below. The same for
-  a nanoGPT-style fused c_attn leaf (d, 3d) selected by `fused_qkv(heads)`:
-  the q and k thirds are frames, the v third is AdamW's.
+Cases (the Stiefel parts have the shapes of `tests/test_sharded_step.py`'s,
+so its pinned collectives are the bound):
+
+* heads: two attention blocks (32, 8, 4) whose Q/K/V kernels are logically
+  ("embed", "heads", "kv"), with the rule heads -> x: every frame whole on
+  one device, no array moved; only the 12 pred[] decisions all-reduced.
+* heads, stack_frames=True: the stack and its moments over the heads; 3
+  pred[].
+* heads, naive: the kernels' specs copied onto the state leaves by path
+  (what the boxes of `jax.eval_shape(tx.init, boxed_params)` do): the
+  first moment's d axis gets the heads' sharding, and the step reshards.
+  The control that the collective count sees it.
+* FSDP: blocks (64, 4, 32) with the rule embed -> x: the frames cut into
+  row blocks; only (r x r) Gram blocks and per-frame scalars all-reduced.
+* fused FSDP: a nanoGPT c_attn (64, 192) model, its NamedShardings (rows
+  over x) passed directly.
 """
 
 from __future__ import annotations
 
-import collections
+import re
+import warnings
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
-from conftest import once_per_session, run_on_8_devices
+import stiefel_optax as so
+from tests.helpers import (
+    frame_adam_states, once_per_session, operands, run_on_8_devices)
 
 
 CHILD = r'''
 import functools, json, re
-import jax, numpy as np, optax
+import jax, jax.numpy as jnp, numpy as np, optax
+import flax.linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import stiefel_optax as so
+from tests.helpers import collectives, run_sharded
 
 assert jax.device_count() == 8, jax.devices()
 rng = np.random.default_rng(0)
 mesh = Mesh(np.array(jax.devices()), ("x",))
-REP = NamedSharding(mesh, P())
-QK = so.specs.QK_KERNEL
-# LLVM's optimisation of the CPU code is most of the compile time and none of
-# what is tested: the SPMD partitioner and the HLO passes that place the
-# collectives run as always.
 jit = functools.partial(
     jax.jit, compiler_options={"xla_backend_optimization_level": 0})
-# The trees, gradients and states are built, moved and compared as NumPy
-# arrays on the host: jax would compile a small program for each eager op
-# on each leaf shape and sharding (zeros, casts, resharding copies,
-# differences), several seconds that test nothing; the steps alone are jax.
 
 
-def frames(d, h, hd):
-  """(d, heads, head_dim) kernel whose per-head (d, head_dim) frames are
-  orthonormal."""
-  q, r = np.linalg.qr(rng.standard_normal((h, d, hd)))
-  q = q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
-  return np.transpose(q, (1, 0, 2)).astype(np.float32)
+def boxed_init(names):
+  return nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
 
 
-def normal(*shape):
-  return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+class Block(nn.Module):
+  heads: int
+  qkv: int
+
+  @nn.compact
+  def __call__(self, x):
+    y = nn.MultiHeadDotProductAttention(
+        num_heads=self.heads, qkv_features=self.qkv,
+        kernel_init=boxed_init(("embed", "heads", "kv")),
+        out_kernel_init=boxed_init(("heads", "kv", "embed")), name="attn")(x)
+    d = x.shape[-1]
+    return x + y + nn.Dense(d, kernel_init=boxed_init(("embed", "mlp")),
+                            name="mlp")(x + y)
 
 
-def zeros(*shape):
-  return np.zeros(shape, np.float32)
+class Model(nn.Module):
+  heads: int
+  qkv: int
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(2):
+      x = Block(self.heads, self.qkv, name=f"layer_{i}")(x)
+    return x
 
 
-def mha_params(d, h, hd, mlp=48):
-  def layer():
-    return {"attn": {"query": {"kernel": frames(d, h, hd),
-                               "bias": zeros(h, hd)},
-                     "key": {"kernel": frames(d, h, hd),
-                             "bias": zeros(h, hd)},
-                     "value": {"kernel": normal(d, h, hd)},
-                     "out": {"kernel": normal(h, hd, d)}},
-            "mlp": {"kernel": normal(d, mlp), "bias": zeros(mlp)}}
-  return {"layer_0": layer(), "layer_1": layer(), "embed": normal(40, d)}
+class GPT(nn.Module):
+  heads: int
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(2):
+      d = x.shape[-1]
+      qkv = nn.Dense(3 * d, kernel_init=boxed_init(("embed", "qkv")),
+                     name=f"c_attn_{i}")(x)
+      q, k, v = jnp.split(qkv, 3, axis=-1)
+      split = lambda a: a.reshape(a.shape[:-1] + (self.heads, d // self.heads))
+      y = nn.dot_product_attention(split(q), split(k), split(v))
+      x = x + nn.Dense(d, kernel_init=boxed_init(("embed", "mlp")),
+                       name=f"c_proj_{i}")(y.reshape(x.shape))
+    return x
 
 
-def gpt_params(d, h):
-  """Two nanoGPT blocks; c_attn's q and k thirds orthonormal per head."""
-  hd = d // h
-  def c_attn():
-    q = frames(d, h, hd).reshape(d, d)
-    k = frames(d, h, hd).reshape(d, d)
-    v = normal(d, d)
-    return np.concatenate([q, k, v], 1)
-  def block():
-    return {"attn": {"c_attn": {"kernel": c_attn(), "bias": zeros(3 * d)},
-                     "c_proj": {"kernel": normal(d, d), "bias": zeros(d)}},
-            "ln_1": {"scale": np.ones(d, np.float32)}}
-  return {"transformer": {"h_0": block(), "h_1": block(),
-                          "wte": {"embedding": normal(40, d)}}}
+def norm_spec(spec, ndim):
+  """A PartitionSpec as a list of ndim entries (None or one axis name)."""
+  entries = list(spec) + [None] * (ndim - len(tuple(spec)))
+  return [e[0] if isinstance(e, tuple) and len(e) == 1 else
+          (list(e) if isinstance(e, tuple) else e) for e in entries]
 
 
-def sharder(rules):
-  """tree -> shardings: the first (predicate, PartitionSpec) rule that
-  fits a leaf (path string, shape), else replicated."""
+def leaves_table(tree):
+  return [{"path": jax.tree_util.keystr(p), "shape": list(x.shape),
+           "spec": norm_spec(x.sharding.spec, x.ndim),
+           "shard": list(x.addressable_shards[0].data.shape)}
+          for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def init(model, d, frames):
+  x = np.zeros((1, 4, d), np.float32)
+  boxed = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+  params = nn.unbox(jit(model.init)(jax.random.key(0), x)["params"])
+  params = jax.device_get(jit(lambda p: so.orthonormalize(p, frames))(params))
+  return boxed, params
+
+
+def naive(state, logical_params):
+  """The kernels' specs copied onto the state leaves whose path ends with
+  the parameter's (rank permitting), else replicated: the layout the state
+  gets from the parameters' boxes."""
+  by_path = {so.path_str(p): s for p, s in jax.tree_util.tree_leaves_with_path(
+      logical_params, is_leaf=lambda x: isinstance(x, P))}
   def one(path, x):
-    for fits, spec in rules:
-      if fits(so.path_str(path), tuple(x.shape)):
-        return NamedSharding(mesh, spec)
-    return REP
-  return lambda tree: jax.tree_util.tree_map_with_path(one, tree)
+    key = so.path_str(path)
+    for p, s in by_path.items():
+      if key.endswith(p) and len(tuple(s)) == x.ndim:
+        return s
+    return P()
+  return jax.tree_util.tree_map_with_path(one, state)
 
 
-def fsdp_sharder(d, view_shape, view_spec):
-  """Frame views (and Stiefel-Adam's first moment) of `view_shape` by
-  `view_spec`; every other leaf of rank >= 2 with d rows over axis 0 (FSDP)."""
-  def one(path, x):
-    s = tuple(x.shape)
-    if s == view_shape:
-      return NamedSharding(mesh, view_spec)
-    if len(s) >= 2 and s[0] == d:
-      return NamedSharding(mesh, P("x", *(None,) * (len(s) - 1)))
-    return REP
-  return lambda tree: jax.tree_util.tree_map_with_path(one, tree)
+def run_case(model, d, rules, frames=None, stack=False, steps=2,
+             reference=None, how="logical"):
+  boxed, params = init(model, d, frames)
+  logical = nn.get_partition_spec(boxed)
+  tx = so.stiefel_attention(1e-2, frames=frames, stack_frames=stack)
+  p_sh = nn.logical_to_mesh_sharding(logical, mesh, rules)
+  if how == "logical":       # the MaxText route: logical names throughout
+    s_sh = nn.logical_to_mesh_sharding(
+        so.state_shardings(tx, params, logical, frames=frames), mesh, rules)
+  elif how == "named":       # NamedShardings in, NamedShardings out
+    s_sh = so.state_shardings(tx, params, p_sh, frames=frames)
+  else:                      # the kernels' specs copied onto the state
+    s_sh = nn.logical_to_mesh_sharding(
+        naive(jax.eval_shape(tx.init, params), logical), mesh, rules)
 
-
-def collectives(text):
-  """{op: [result shape of each instance]} in a compiled HLO module; an
-  async pair (op-start / op-done) counts once, a combined op as one tuple."""
-  out = {}
-  for op in ("all-gather", "all-to-all", "all-reduce", "collective-permute",
-             "reduce-scatter"):
-    shapes = []
-    for m in re.finditer(r"= (\([^=]*?\)|\S+) " + op + r"(-start)?\(", text):
-      shapes.append(re.sub(r"\{[^}]*\}", "", m.group(1)))
-    out[op] = sorted(shapes)
-  return out
-
-
-def run_case(params, frames_sel, shard, steps=3, stack=False,
-             reference=None):
-  """`steps` of stiefel_attention, unsharded (one device) and sharded by
-  `shard` (inputs, outputs and state); the sharded program's compiled HLO is
-  that of the executable that ran. Returns the case's result and its
-  reference (gradients, unsharded final params); `reference` reuses an
-  earlier case's, on the same params, instead of running the unsharded
-  steps again."""
-  tx = so.stiefel_attention(1e-2, frames=frames_sel, stack_frames=stack)
-
-  def step(g, s, p):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  # One program for the state instead of an eager op per leaf shape.
-  state0 = jax.device_get(jit(tx.init)(params))
-  if reference is None:
-    grads = [jax.tree.map(lambda x: normal(*x.shape), params)
-             for _ in range(steps)]
-    ref_p, ref_s = params, state0
-    ref_step = jit(step)
-    for g in grads:
-      ref_p, ref_s = ref_step(g, ref_s, ref_p)
-    reference = grads, jax.device_get(ref_p)
+  p, s, compiled, reference = run_sharded(
+      tx, params, lambda _: (p_sh, s_sh),
+      lambda: [jax.tree.map(lambda x: (0.1 * rng.standard_normal(x.shape)
+                                       ).astype(np.float32), params)
+               for _ in range(steps)], jit, reference)
   grads, ref_p = reference
-
-  p_sh, s_sh = shard(params), shard(state0)
-  p, s = jax.device_put(params, p_sh), jax.device_put(state0, s_sh)
-  compiled = jit(step, in_shardings=(p_sh, s_sh, p_sh),
-                     out_shardings=(p_sh, s_sh)).lower(
-                         jax.device_put(grads[0], p_sh), s, p).compile()
-  for g in grads:
-    p, s = compiled(jax.device_put(g, p_sh), s, p)
-  hlo = compiled.as_text()
-
-  sel = so.selected_frames(params, frames_sel)
-  leaves = dict((so.path_str(q), x) for q, x in
-                jax.tree_util.tree_leaves_with_path(p))
   host_p = jax.device_get(p)
   return {
       "max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in
                           zip(jax.tree.leaves(host_p), jax.tree.leaves(ref_p))),
-      "max_isometry_error": float(
-          jit(lambda q: so.max_isometry_error(q, frames_sel))(host_p)),
-      "selected": sorted(sel),
-      "frame_shardings": sorted({tuple(leaves[k].sharding.spec) for k in sel},
-                                key=str),
-      "frame_shard_shapes": sorted({str(tuple(
-          leaves[k].addressable_shards[0].data.shape)) for k in sel}),
-      "collectives": collectives(hlo),
-      "hlo_has": {t: t in hlo for t in ("f32[1,32,4]", "f32[4,8,32]",
-                                        "f32[2,4,8,16]")},
+      "params": {so.path_str(q): norm_spec(x.sharding.spec, x.ndim)
+                 for q, x in jax.tree_util.tree_leaves_with_path(p)},
+      "state": leaves_table(s),
+      "collectives": collectives(compiled.as_text()),
   }, reference
 
 
+HEADS_RULES = (("heads", "x"), ("embed", None), ("kv", None), ("mlp", None))
+FSDP_RULES = (("embed", "x"), ("heads", None), ("kv", None), ("mlp", None))
 result = {"devices": jax.device_count()}
-
-# Heads-sharded: (32, 8, 4) kernels over their 8 heads; their frame views
-# (8, 32, 4), the moments, and nu (8,) over the heads too.
-D, H, HD = 32, 8, 4
-is_qk = lambda path, shape: bool(re.search(QK, path))
-HEADS = mha_params(D, H, HD)
-result["heads"], per_leaf = run_case(HEADS, "flax", sharder([
-    (lambda p, s: s == (D, H, HD) and is_qk(p, s), P(None, "x", None)),
-    (lambda p, s: s == (H, D, HD), P("x", None, None)),
-    (lambda p, s: s == (H,), P("x"))]))
-
-# The same, the four kernels' frames stacked (stack_frames=True): the
-# stack (4, 8, 32, 4) and its first moment over axis 1 (the heads), nu
-# (4, 8) too. Same params and gradients as above, checked against the same
-# unsharded per-leaf run: stacking gives the per-leaf update (to 1e-6,
-# tests/test_stack_frames.py), so a second, stacked unsharded run would
-# only compile one more program.
-result["heads_stacked"], _ = run_case(HEADS, "flax", sharder([
-    (lambda p, s: s == (D, H, HD) and is_qk(p, s), P(None, "x", None)),
-    (lambda p, s: s == (4, H, D, HD), P(None, "x", None, None)),
-    (lambda p, s: s == (4, H), P(None, "x"))]), stack=True, reference=per_leaf)
-
-# FSDP: every leaf with d rows, the (64, 4, 32) Q/K kernels among them,
-# over d (axis 0), and their AdamW moments alike; the frame views
-# (4, 64, 32) and Stiefel-Adam's first moment over d too; nu (4,), biases,
-# embeddings and out (4, 32, 64) replicated.
-D, H, HD = 64, 4, 32
-result["fsdp"], _ = run_case(mha_params(D, H, HD), "flax",
-                             fsdp_sharder(D, (H, D, HD), P(None, "x", None)))
-
-# FSDP on a fused nanoGPT c_attn (64, 192) and the other (64, ...) leaves:
-# frames (2, 4, 64, 16) over d; the v third (64, 64) that AdamW trains, and
-# its moments, over d as well.
-D, H = 64, 4
+heads_model = Model(heads=8, qkv=32)             # kernels (32, 8, 4)
+result["heads"], ref = run_case(heads_model, 32, HEADS_RULES)
+result["heads_stacked"], _ = run_case(heads_model, 32, HEADS_RULES,
+                                      stack=True, reference=ref)
+result["heads_naive"], _ = run_case(heads_model, 32, HEADS_RULES,
+                                    reference=ref, how="naive")
+result["fsdp"], _ = run_case(Model(heads=4, qkv=128), 64, FSDP_RULES)
 result["fused_fsdp"], _ = run_case(
-    gpt_params(D, H), {r"c_attn/kernel$": so.fused_qkv(H)},
-    fsdp_sharder(D, (2, H, D, D // H), P(None, None, "x", None)))
-
+    GPT(heads=4), 64, FSDP_RULES + (("qkv", None),),
+    frames={r"c_attn_\d/kernel$": so.fused_qkv(4)}, how="named")
 print("RESULT " + json.dumps(result))
 '''
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory, worker_id):
-  return once_per_session(tmp_path_factory, worker_id, "sharding", run_child)
 
 
 def run_child():
   return run_on_8_devices(CHILD)
 
 
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, worker_id):
+  return once_per_session(tmp_path_factory, worker_id, "state_sharding",
+                          run_child)
+
+
 NO_MOVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
 
-def operands(shapes):
-  """{operand shape: count} over all-reduce results; XLA's all-reduce
-  combiner groups operands into tuples in ways that vary with its version,
-  so the operands are what is pinned."""
-  counts = collections.Counter()
-  for shape in shapes:
-    counts.update(shape.strip("()").split(", "))
-  return dict(counts)
+def expected_state_spec(case, leaf, stacked=False):
+  """What a state leaf's sharding must be, from its kernel's, written out
+  per layout (independently of the library's mapping): the linen kernel
+  (d, heads, hd) -> frames (heads, d, hd); nu (heads,); a stack (k, heads,
+  d, hd); the fused c_attn (d, 3d) under fused_qkv -> (2, heads, d, hd),
+  nu (2, heads), its v third (d, d) as the kernel; AdamW's moments as their
+  leaves; counts replicated."""
+  path, ndim = leaf["path"], len(leaf["shape"])
+  params = case["params"]
+  if path.endswith(".count") or ndim == 0:
+    return [None] * ndim
+  if stacked and ".stiefel" in path:
+    kernels = [s for p, s in params.items()
+               if p.endswith(("query/kernel", "key/kernel"))]
+    assert all(s == kernels[0] for s in kernels)
+    e = kernels[0]
+    return ([None, e[1], e[0], e[2]] if ".mu" in path else [None, e[1]])
+  key = path.split(".mu", 1)[-1] if ".mu" in path else path.split(".nu", 1)[-1]
+  key = "/".join(re.findall(r"\['([^']*)'\]", key))
+  e = params[key]
+  if ".stiefel" not in path:
+    return e                                   # AdamW follows its leaf
+  if key.split("/")[-2].startswith("c_attn"):  # fused: the part axis unsharded
+    view = [None, None, e[0], None]
+  else:                                        # linen (d, heads, hd)
+    view = [e[1], e[0], e[2]]
+  return view if ".mu" in path else view[:ndim]
 
 
-def test_runs_on_eight_devices_sharded_over_heads(sharded):
-  heads = sharded["heads"]
+
+@pytest.mark.parametrize("case", ["heads", "heads_stacked", "fsdp",
+                                  "fused_fsdp"])
+def test_state_is_sharded_as_its_kernel(sharded, case):
   assert sharded["devices"] == 8
-  assert heads["selected"] == [f"layer_{i}/attn/{n}/kernel"
-                               for i in range(2) for n in ("key", "query")]
-  assert heads["frame_shardings"] == [[None, "x", None]]
-  assert heads["frame_shard_shapes"] == ["(32, 1, 4)"]
+  got = sharded[case]
+  assert got["max_abs_diff"] <= 1e-6
+  stacked = case == "heads_stacked"
+  moments = [l for l in got["state"] if ".stiefel" in l["path"]
+             and l["shape"]]
+  assert moments, got["state"]
+  for leaf in got["state"]:
+    assert leaf["spec"] == expected_state_spec(got, leaf, stacked), leaf
 
 
-def test_heads_sharded_update_equals_unsharded(sharded):
-  assert sharded["heads"]["max_abs_diff"] <= 1e-6
-  assert sharded["heads"]["max_isometry_error"] <= 1e-5
+def test_heads_state_shards_hold_whole_frames(sharded):
+  """Heads over 8 devices: each device holds one head's frame, first moment
+  and second moment; FSDP: an 8-row block of every frame."""
+  shards = {l["path"]: l["shard"] for l in sharded["heads"]["state"]}
+  q = "['layer_0']['attn']['query']['kernel']"
+  assert shards[".stiefel[1].mu" + q] == [1, 32, 4]
+  assert shards[".stiefel[1].nu" + q] == [1]
+  shards = {l["path"]: l["shard"] for l in sharded["fsdp"]["state"]}
+  assert shards[".stiefel[1].mu" + q] == [4, 8, 32]
+  assert shards[".stiefel[1].nu" + q] == [4]
+  st = {l["path"]: l["shard"] for l in sharded["heads_stacked"]["state"]}
+  assert st[".stiefel[1].mu[0]"] == [4, 1, 32, 4]
 
 
-def test_heads_sharded_moves_no_frame_between_devices(sharded):
-  heads = sharded["heads"]
-  # the per-device frame view (1 head, d, head_dim) appears in the program
-  assert heads["hlo_has"]["f32[1,32,4]"]
+# The bound: what tests/test_sharded_step.py pins for the same Stiefel shapes
+# (its state shardings written by hand), nothing more.
+PINNED = {"heads": {"pred[]": 12}, "heads_stacked": {"pred[]": 3},
+          "fsdp": {"f32[4,32,32]": 16, "f32[4]": 12},
+          "fused_fsdp": {"f32[2,4,16,16]": 8, "f32[2,4]": 6}}
+
+
+@pytest.mark.parametrize("case", sorted(PINNED))
+def test_step_adds_no_resharding(sharded, case):
+  collect = sharded[case]["collectives"]
   for op in NO_MOVES:
-    assert heads["collectives"][op] == [], op
-  # No array data crosses devices: only whole-batch decisions, per frame
-  # leaf one pred for "every frame certified" (the lax.cond of
-  # geometry._certified_polar), one for the fallback loop's "any frame
-  # still active" (inside the cond's fallback branch) and one for "some
-  # frame's ||G||^2 - ||sym(W^T G)||^2 cancels" (transforms.tangent_sq_norm).
-  assert operands(heads["collectives"]["all-reduce"]) == {"pred[]": 12}
+    assert collect[op] == [], (case, op, collect[op])
+  assert operands(collect["all-reduce"]) == PINNED[case], collect
 
 
-def test_stacked_heads_sharded_moves_nothing_and_decides_once(sharded):
-  """stack_frames=True on the heads-sharded kernels: the four kernels'
-  frames stacked on a new axis keep their heads sharding, so still nothing
-  moves between devices, and the three whole-batch decisions are taken once
-  for the stack instead of once per kernel."""
-  st = sharded["heads_stacked"]
-  assert st["max_abs_diff"] <= 1e-6 and st["max_isometry_error"] <= 1e-5
-  assert st["frame_shard_shapes"] == ["(32, 1, 4)"]
-  for op in NO_MOVES:
-    assert st["collectives"][op] == [], op
-  assert operands(st["collectives"]["all-reduce"]) == {"pred[]": 3}
+def test_kernel_specs_copied_onto_the_state_reshard(sharded):
+  """The control: with the kernels' specs on the state (the d axis of the
+  first moment sharded where the step computes over heads), the same step
+  moves data between devices, and the count above sees it."""
+  collect = sharded["heads_naive"]["collectives"]
+  assert sharded["heads_naive"]["max_abs_diff"] <= 1e-6
+  assert sum(len(collect[op]) for op in NO_MOVES) > 0, collect
 
 
-def test_fsdp_sharded_update_equals_unsharded(sharded):
-  fsdp = sharded["fsdp"]
-  assert fsdp["frame_shardings"] == [["x", None, None]]
-  assert fsdp["frame_shard_shapes"] == ["(8, 4, 32)"]
-  assert fsdp["hlo_has"]["f32[4,8,32]"]       # the local row blocks
-  assert fsdp["max_abs_diff"] <= 1e-6
-  assert fsdp["max_isometry_error"] <= 1e-5
+# --------------------------------------------------------------------------
+# In process: the mapping and its errors (abstract meshes and specs).
+
+MESH = AbstractMesh((8,), ("x",))
 
 
-def test_fsdp_reduces_only_gram_blocks_and_scalars(sharded):
-  """Four (64, 4, 32) kernels, frames (4, 64, 32) cut into 8-row blocks.
-  Per kernel: the (r x r) = (32 x 32) blocks W^T G (projection), W^T m
-  (moment transport), (W + xi)^T (W + xi) (retraction) and Q^T Q in the
-  retraction's fallback branch (not run on the fast path), and the
-  per-frame scalars ||G||_F^2 and, in the cancellation branch of
-  `tangent_sq_norm` (not run unless a gradient is nearly normal),
-  ||P_W G||_F^2 (second moment), and ||m||_F of the new moment, which gives
-  ||xi||_F for the trust region and the Newton-Schulz bound
-  (`stiefel_adam`'s one-pass update). Nothing moves a frame or a row
-  block."""
-  collect = sharded["fsdp"]["collectives"]
-  for op in NO_MOVES:
-    assert collect[op] == [], (op, collect[op])
-  assert operands(collect["all-reduce"]) == {"f32[4,32,32]": 16,
-                                             "f32[4]": 12}
+def qk_params(d=32, h=8, hd=4):
+  s = jax.ShapeDtypeStruct
+  return {"attn": {"query": {"kernel": s((d, h, hd), jnp.float32)},
+                   "key": {"kernel": s((d, h, hd), jnp.float32)},
+                   "value": {"kernel": s((d, h, hd), jnp.float32)}}}
 
 
-def test_fused_fsdp_update_equals_unsharded(sharded):
-  fused = sharded["fused_fsdp"]
-  assert fused["selected"] == [f"transformer/h_{i}/attn/c_attn/kernel"
-                               for i in range(2)]
-  assert fused["frame_shardings"] == [["x", None]]
-  assert fused["frame_shard_shapes"] == ["(8, 192)"]
-  assert fused["hlo_has"]["f32[2,4,8,16]"]    # the local row blocks
-  assert fused["max_abs_diff"] <= 1e-6
-  assert fused["max_isometry_error"] <= 1e-5
+def specs_for(params, spec):
+  return jax.tree.map(lambda _: spec, params)
 
 
-def test_fused_fsdp_reduces_only_gram_blocks_and_scalars(sharded):
-  """Two (64, 192) c_attn kernels under fused_qkv(4): frames (2, 4, 64, 16)
-  (q and k thirds, 4 heads); the same four (16 x 16) blocks and three
-  per-frame scalars per kernel as above, and nothing for the v third, whose
-  AdamW is elementwise on its own row blocks."""
-  collect = sharded["fused_fsdp"]["collectives"]
-  for op in NO_MOVES:
-    assert collect[op] == [], (op, collect[op])
-  assert operands(collect["all-reduce"]) == {"f32[2,4,16,16]": 8,
-                                             "f32[2,4]": 6}
+def test_issue_example_logical_names_follow_the_axes():
+  """The issue's example: the query kernel (32, 4, 8) labelled ('embed',
+  'heads', 'kv'); its first moment (4, 32, 8) is (heads, embed, kv) and its
+  second moment (4,) is (heads,)."""
+  params = qk_params(32, 4, 8)
+  specs = so.state_shardings(so.stiefel_attention(1e-3), params,
+                             specs_for(params, P("embed", "heads", "kv")))
+  adam = specs.stiefel[1]
+  assert adam.mu["attn"]["query"]["kernel"] == P("heads", "embed", "kv")
+  assert adam.nu["attn"]["query"]["kernel"] == P("heads")
+  assert specs.euclidean[0].mu["attn"]["value"]["kernel"] == P(
+      "embed", "heads", "kv")
+  assert adam.count == P() and specs.euclidean[0].count == P()
+
+
+def test_boxed_params_need_no_shardings_and_tx_init_warns():
+  import flax.linen as nn
+  model = nn.MultiHeadDotProductAttention(
+      num_heads=4, qkv_features=32, kernel_init=nn.with_logical_partitioning(
+          nn.initializers.lecun_normal(), ("embed", "heads", "kv")))
+  boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 4, 32)))
+  tx = so.stiefel_attention(1e-3)
+  specs = so.state_shardings(tx, boxed["params"])
+  assert specs.stiefel[1].mu["query"]["kernel"] == P("heads", "embed", "kv")
+  assert specs.stiefel[1].nu["key"]["kernel"] == P("heads")
+  with pytest.warns(UserWarning, match=r"state_shardings\(tx, params"):
+    jax.eval_shape(tx.init, boxed["params"])
+
+
+def test_named_shardings_keep_the_mesh_and_replicate_scalars():
+  params = qk_params()
+  sh = specs_for(params, NamedSharding(MESH, P(None, "x", None)))
+  specs = so.state_shardings(so.stiefel_attention(1e-3), params, sh)
+  mu = specs.stiefel[1].mu["attn"]["query"]["kernel"]
+  assert mu.mesh == MESH and mu.spec == P("x", None, None)
+  assert specs.stiefel[1].count == NamedSharding(MESH, P())
+
+
+def test_stacked_frames_sharded_alike_stack_and_unlike_are_refused():
+  params = qk_params()
+  tx = so.stiefel_attention(1e-3, stack_frames=True)
+  specs = so.state_shardings(tx, params, specs_for(params, P(None, "x")))
+  assert specs.stiefel[1].mu == (P(None, "x", None, None),)
+  assert specs.stiefel[1].nu == (P(None, "x"),)
+  mixed = specs_for(params, P(None, "x"))
+  mixed["attn"]["key"]["kernel"] = P("x")
+  with pytest.raises(ValueError, match=r"stack_frames=True.*attn/key/kernel"
+                     r".*stack_frames=False"):
+    so.state_shardings(tx, params, mixed)
+
+
+def test_split_axes_keep_the_sharding_only_where_it_divides():
+  fused = so.fused_qkv(4)
+  assert so.frame_view_spec(fused, (64, 192), P("x", None)) == (
+      P(None, None, "x", None), P("x", None))
+  with pytest.warns(UserWarning, match=r"c_attn: axis 1 .*cut into 3 parts"):
+    view, rest = so.frame_view_spec(fused, (64, 192),
+                                    NamedSharding(MESH, P(None, "x")),
+                                    name="c_attn")
+  assert view.spec == P(None, None, None, None) and rest.spec == P(None, None)
+  haiku = so.FrameSpec(rows=-2, cols=-1, heads=8)
+  assert so.frame_view_spec(haiku, (32, 32), NamedSharding(MESH, P(None, "x"))
+                            )[0].spec == P("x", None, None)
+  with pytest.warns(UserWarning, match=r"does not divide heads = 4"):
+    view, _ = so.frame_view_spec(so.FrameSpec(rows=-2, cols=-1, heads=4),
+                                 (32, 32), NamedSharding(MESH, P(None, "x")))
+  assert view.spec == P(None, None, None)
+  gemma_kv = so.specs.GEMMA_KV          # (2, K, D, H), the key half
+  assert so.frame_view_spec(gemma_kv, (2, 2, 32, 8),
+                            P(None, "kv_heads", "embed", None)) == (
+      P(None, None, "kv_heads", "embed", None),
+      P(None, "kv_heads", "embed", None))
+
+
+def test_wrong_shardings_name_the_path_the_shape_and_the_fix():
+  params = qk_params()
+  tx = so.stiefel_attention(1e-3)
+  missing = specs_for(params, P())
+  del missing["attn"]["key"]
+  with pytest.raises(ValueError, match=r"no sharding for attn/key/kernel"
+                     r" \(shape \(32, 8, 4\)\).*Fix: give param_shardings"):
+    so.state_shardings(tx, params, missing)
+  long = specs_for(params, P())
+  long["attn"]["query"]["kernel"] = P("x", None, None, None)
+  with pytest.raises(ValueError, match=r"attn/query/kernel has shape"
+                     r" \(32, 8, 4\) \(rank 3\).*names 4 axes.*Fix"):
+    so.state_shardings(tx, params, long)
+  odd = specs_for(params, NamedSharding(MESH, P()))
+  odd["attn"]["query"]["kernel"] = NamedSharding(MESH, P(None, None, "x"))
+  with pytest.raises(ValueError, match=r"attn/query/kernel has shape"
+                     r" \(32, 8, 4\).*axis 2 of size 4 over 8 devices.*Fix"):
+    so.state_shardings(tx, params, odd)
+  bad = specs_for(params, P())
+  bad["attn"]["value"]["kernel"] = "x"
+  with pytest.raises(ValueError, match=r"attn/value/kernel \(shape"
+                     r" \(32, 8, 4\)\) has sharding 'x'.*NamedSharding or"
+                     r" PartitionSpec"):
+    so.state_shardings(tx, params, bad)
+  with pytest.raises(ValueError, match=r"pass param_shardings"):
+    so.state_shardings(tx, params)
+
+
+def test_frames_that_do_not_fit_the_state_are_named():
+  """A state made with another selector than the one state_shardings is
+  told: the error names the state leaf, the selection and the fix."""
+  params = qk_params()
+  tx = so.stiefel_attention(1e-3, frames={r"query/kernel$": so.FrameSpec(
+      rows=0, cols=2)})
+  with pytest.raises(ValueError, match=r"Stiefel group's state leaf .*fits no"
+                     r" frame view.*frames= the optimizer was built with"):
+    so.state_shardings(tx, params, specs_for(params, P()))
+  fused = {"c_attn": {"kernel": jax.ShapeDtypeStruct((16, 48), jnp.float32)}}
+  tx = so.stiefel_attention(1e-3, frames={r"c_attn/kernel$": so.fused_qkv(2)})
+  with pytest.raises(ValueError, match=r"fused_qkv.*optimizer's own frames="):
+    so.state_shardings(tx, fused, specs_for(fused, P()))
+
+
+def test_no_warning_where_every_sharding_follows():
+  params = qk_params()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    so.state_shardings(so.stiefel_attention(1e-3), params,
+                       specs_for(params, NamedSharding(MESH, P("x"))))
+
+
+def _frame_adam(state):
+  (fs,) = frame_adam_states(state)
+  return fs
+
+
+def test_equinox_out_in_weights_sharded_over_heads():
+  """eqx.nn.MultiheadAttention's (heads * qk, d) weights sharded over
+  their rows (the heads): frames (heads, d, qk) over the heads."""
+  eqx = pytest.importorskip("equinox")
+  model = eqx.nn.MultiheadAttention(num_heads=8, query_size=32,
+                                    key=jax.random.key(0))
+  params = eqx.filter(model, eqx.is_inexact_array)
+  sh = jax.tree.map(lambda x: NamedSharding(
+      MESH, P("x", None) if x.ndim == 2 else P()), params)
+  fs = _frame_adam(so.state_shardings(so.stiefel_attention(1e-3), params, sh))
+  assert fs.mu.query_proj.weight.spec == P("x", None, None)
+  assert fs.nu.key_proj.weight.spec == P("x")
+
+
+def test_haiku_2d_weights_sharded_over_heads():
+  """hk.MultiHeadAttention's (d, heads * key_size) weights sharded over
+  their columns: frames (heads, d, key_size) over the heads."""
+  hk = pytest.importorskip("haiku")
+  def forward(x):
+    return hk.MultiHeadAttention(
+        num_heads=8, key_size=4, model_size=32,
+        w_init=hk.initializers.VarianceScaling())(x, x, x)
+  model = hk.without_apply_rng(hk.transform(forward))
+  params = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((2, 4, 32)))
+  frames = so.haiku_mha(8)
+  sh = jax.tree.map(lambda x: NamedSharding(
+      MESH, P(None, "x") if x.shape[-1] == 32 and x.ndim == 2 else P()),
+      params)
+  fs = _frame_adam(so.state_shardings(
+      so.stiefel_attention(1e-3, frames=frames), params, sh, frames=frames))
+  mha = "multi_head_attention"
+  assert fs.mu[f"{mha}/query"]["w"].spec == P("x", None, None)
+  assert fs.nu[f"{mha}/key"]["w"].spec == P("x")

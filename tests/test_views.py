@@ -1,18 +1,18 @@
-"""Frame specs and views: which axes of a leaf are its frames' rows and
-columns, which parts of a fused leaf are frames, and the exact inverse.
+"""Frame views (stiefel_optax/views.py) of a FrameSpec: which axes of a leaf
+are its frames' rows and columns, which parts of a fused leaf are frames,
+and the exact inverse (split_frames, merge_frames, to_frames, from_frames).
 
 A Flax (d, heads, head_dim) kernel is one frame per head; a fused (d, 3d)
 kernel's q and k thirds split into heads; gemma's (2, K, D, H) kv_einsum is
-frames in its key half only.
+frames in its key half only. `frame_partition`, which trains on these
+views, is tested in tests/test_partition.py.
 """
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import stiefel_optax as so
@@ -110,75 +110,3 @@ def test_spec_errors_name_the_leaf_and_the_fix():
     tx.update(p, tx.init(p), None)
 
 
-def _kernel(seed, d=8, heads=3, hd=2):
-  rng = np.random.default_rng(seed)
-  q = np.stack([np.linalg.qr(rng.standard_normal((d, hd)))[0]
-                for _ in range(heads)], axis=1)         # (d, heads, hd)
-  return jnp.asarray(q, jnp.float32)
-
-
-class FramePartitionTest(chex.TestCase):
-
-  @chex.variants(with_jit=True, without_jit=True)
-  def test_equals_inner_on_the_frame_view(self):
-    """frame_partition(stiefel_adam) on a (d, heads, head_dim) kernel is
-    stiefel_adam on the stacked per-head frames, mapped back."""
-    kernel = _kernel(0)
-    grad = jnp.asarray(np.random.default_rng(1).standard_normal(kernel.shape),
-                       jnp.float32)
-    spec = FrameSpec(0, 2)
-    inner = so.stiefel_adam(0.05)
-    tx = so.frame_partition(inner, None, frames=spec)
-    state = tx.init(kernel)
-    u, state = self.variant(tx.update)(grad, state, kernel)
-    chex.assert_trees_all_equal_shapes_and_dtypes(u, kernel)
-    frames = so.to_frames(kernel, spec)
-    u_ref, _ = jax.jit(inner.update)(so.to_frames(grad, spec),
-                                     inner.init(frames), frames)
-    chex.assert_trees_all_close(so.to_frames(u, spec), u_ref, atol=1e-6)
-    new = optax.apply_updates(kernel, u)
-    errs = so.isometry_error(so.to_frames(new, spec))
-    chex.assert_shape(errs, (3,))
-    assert float(jnp.max(errs)) <= 3e-6
-    # Control: the whole (d, heads * hd) projection is NOT orthonormal
-    # after per-head steps (heads are independent frames).
-    assert float(so.isometry_error(so.to_frames(new, FrameSpec(0, (1, 2))))
-                 ) > 1e-2
-    is_fs = lambda x: isinstance(x, so.ScaleByFrameAdamState)
-    (fs,) = [x for x in jax.tree.leaves(state.stiefel, is_leaf=is_fs)
-             if is_fs(x)]
-    chex.assert_shape(fs.nu, (3,))                    # one scalar per head
-
-  # jit only: frame_partition's update has no eager-only path (its Python
-  # checks run at trace time); its eager run is covered by
-  # test_equals_inner_on_the_frame_view__without_jit, the eager split and
-  # merge of fused leaves by test_split_gives_the_documented_frames_and_...
-  @chex.variants(with_jit=True)
-  def test_fused_rest_gets_exactly_the_euclidean_update(self):
-    """The value third of a fused kernel is trained by the Euclidean
-    transform exactly as if the leaf were whole."""
-    rng = np.random.default_rng(2)
-    d, heads, hd = 8, 2, 4
-    qk = [np.linalg.qr(rng.standard_normal((d, hd)))[0]
-          for _ in range(2 * heads)]
-    kernel = jnp.asarray(np.concatenate(
-        qk + [rng.standard_normal((d, heads * hd))], axis=1), jnp.float32)
-    params = {"c_attn": {"kernel": kernel}}
-    frames = {r"c_attn/kernel$": so.fused_qkv(heads)}
-    tx = so.frame_partition(so.stiefel_adam(0.05), optax.adamw(1e-2),
-                            frames=frames)
-    ref = optax.adamw(1e-2)
-    state, rstate = tx.init(params), ref.init(params)
-    update = self.variant(tx.update)
-    p, rp = params, params
-    for t in range(3):
-      g = {"c_attn": {"kernel": jnp.asarray(
-          rng.standard_normal(kernel.shape), jnp.float32)}}
-      u, state = update(g, state, p)
-      ru, rstate = ref.update(g, rstate, rp)
-      p, rp = optax.apply_updates(p, u), optax.apply_updates(rp, ru)
-    got, want = p["c_attn"]["kernel"], rp["c_attn"]["kernel"]
-    chex.assert_trees_all_close(got[:, 2 * d:], want[:, 2 * d:], rtol=1e-6,
-                                atol=1e-7)
-    assert float(so.max_isometry_error(p, frames)) <= 3e-6
-    assert float(jnp.max(jnp.abs(got[:, :2 * d] - kernel[:, :2 * d]))) > 1e-3

@@ -19,7 +19,7 @@ from benchmarks import study as study_lib
 from benchmarks.models import PatchViTConfig, patchify
 from benchmarks.reports import cifar as cifar_report
 # Test inputs from NumPy: no jax.random compilation per shape.
-from conftest import np_frames, np_normal
+from tests.helpers import np_frames, np_normal
 
 
 # ---------------------------------------------------------------- data
@@ -197,7 +197,7 @@ def test_competitor_arms_train(tmp_path):
   test_recipes_keep_frames_orthonormal, the per-head stiefel_attention
   wrapper with its start check trains the stiefel arm in
   test_quick_end_to_end_and_resume, qk_adamw trains adamw there, an own
-  (lr, weight decay) trains qk_norm here; tests/test_lm.py also trains
+  (lr, weight decay) trains qk_norm here; test_lm.py also trains
   orthogonal_init in the LM's quick study and steps stiefel_muon through
   stiefel_attention on the manifold."""
   cfg = cp.PRESETS["quick"]

@@ -15,9 +15,7 @@ import sys
 
 import pytest
 
-from conftest import once_per_session
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT, once_per_session
 
 
 @pytest.fixture(scope="module")

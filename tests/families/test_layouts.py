@@ -51,6 +51,8 @@ from flax import nnx
 import stiefel_optax as so
 from stiefel_optax import views
 
+from tests.helpers import plain_isometry
+
 D, N, K, H = 32, 4, 2, 8          # embed, heads, kv heads, head_dim
 HIDDEN, VOCAB, LAYERS, CTX = 48, 40, 2, 16
 LR, STEPS = 1e-2, 20
@@ -351,10 +353,6 @@ NUM_FRAMES = {"gemma_gqa": LAYERS * (N + K), "gemma_mqa": N + 1,
               "nnx_gqa": LAYERS * (N + K)}
 
 
-def _plain_isometry(frames):
-  return max(np.linalg.norm(w.T @ w - np.eye(w.shape[1])) for w in frames)
-
-
 # --------------------------------------------------------------------------
 # Training against AdamW.
 
@@ -466,15 +464,15 @@ def test_family_selects_orthonormalizes_and_trains(family, certificate):
     np.testing.assert_array_equal(before[path], after[path], err_msg=path)
   assert float(diagnostics["start"]) <= 1e-5
   assert len(_plain_frames(family, params)) == NUM_FRAMES[family]
-  assert _plain_isometry(_plain_frames(family, params)) <= 1e-5
-  assert _plain_isometry(_plain_frames(family, raw)) > 0.5
+  assert plain_isometry(_plain_frames(family, params)) <= 1e-5
+  assert plain_isometry(_plain_frames(family, raw)) > 0.5
 
   iso = float(diagnostics["end"])
   certificate(f"real layouts: isometry after {STEPS} steps, {family}", iso)
   certificate(f"real layouts: deviation from adamw, {family}",
               max(worst.values()))
   assert iso <= 1e-5
-  assert _plain_isometry(_plain_frames(family, trained)) <= 1e-5
+  assert plain_isometry(_plain_frames(family, trained)) <= 1e-5
   moved = diagnostics["moved"]
   assert moved.keys() == expected.keys()
   for path, m in moved.items():

@@ -1,4 +1,4 @@
-"""`stiefel_muon`: float64 certificates of the polar factor, the tangent step
+"""`stiefel_muon` and its transforms (stiefel_optax/muon.py): float64 certificates of the polar factor, the tangent step
 and its norm bounds, scale freedom and O(d)-equivariance; float32
 convergence on tr(W^T A W); the schedule's convergence by interval
 arithmetic. Transforms run with and without jit (`variant` fixture).
@@ -16,26 +16,12 @@ import pytest
 
 from stiefel_optax import geometry, muon
 
+from tests.helpers import (
+    haar_reflection, np_polar, np_project, quadratic, rel, runner)
+
 TOL = 1e-12
 RETRACTIONS = geometry.RETRACTIONS
 SHAPE = (2, 8, 4)                    # two frames in St(8, 4)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def np_polar(x):
-  """U V^T from NumPy's SVD (rank-deficient x: the nonzero part only)."""
-  u, s, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
-  keep = s > s.max(axis=-1, keepdims=True) * 1e-13
-  return (u * keep[..., None, :]) @ vt
-
-
-def np_project(w, g):
-  wtg = np.swapaxes(w, -1, -2) @ g
-  return g - w @ (0.5 * (wtg + np.swapaxes(wtg, -1, -2)))
 
 
 def gram(a, b=None):
@@ -49,41 +35,6 @@ def tangent_error(w, d):
   return float(jnp.max(jnp.linalg.norm(wtd + jnp.swapaxes(wtd, -1, -2),
                                        axis=(-2, -1))
                        / jnp.linalg.norm(d, axis=(-2, -1))))
-
-
-def quadratic(seed, d=SHAPE[-2], batch=SHAPE[:-2], r=SHAPE[-1]):
-  """(A, B) of G(W) = -A W + B, the gradient of -tr(W^T A W)/2 + <B, W>."""
-  rng = np.random.default_rng(seed)
-  a = rng.standard_normal((d, d))
-  return jnp.asarray(a + a.T), jnp.asarray(rng.standard_normal(batch + (d, r)))
-
-
-def haar_orthogonal(seed, d):
-  """Q in O(d) with det Q = -1."""
-  rng = np.random.default_rng(seed)
-  q, r = np.linalg.qr(rng.standard_normal((d, d)))
-  q = q * np.sign(np.diag(r))
-  if np.linalg.det(q) > 0:
-    q[:, 0] = -q[:, 0]
-  return jnp.asarray(q)
-
-
-def runner(tx, steps=20):
-  """jit(w0, a, b, c) -> frames after each of `steps` steps of `tx` on the
-  gradients c (-A W + B) (one compilation for every (a, b, c))."""
-
-  @jax.jit
-  def run(w0, a, b, c):
-    def body(carry, _):
-      w, state = carry
-      u, state = tx.update(c * (-a @ w + b), state, w)
-      w = optax.apply_updates(w, u)
-      return (w, state), w
-
-    _, traj = jax.lax.scan(body, (w0, tx.init(w0)), None, length=steps)
-    return traj
-
-  return run
 
 
 def with_singular_values(seed, d, sv, dtype=np.float64):
@@ -469,7 +420,7 @@ def test_equivariance_over_20_steps(x64, frames, certificate):
   trajectory from (W, G)."""
   a, b = quadratic(7)
   w0 = frames(8, SHAPE)
-  q = haar_orthogonal(9, SHAPE[-2])
+  q = haar_reflection(9, SHAPE[-2])
   run = runner(muon.stiefel_muon(optax.linear_schedule(0.2, 0.02, 20),
                                  max_step_norm=0.3))
   base = run(w0, a, b, 1.0)

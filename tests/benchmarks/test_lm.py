@@ -10,7 +10,6 @@ import functools
 import json
 import math
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -31,6 +30,7 @@ import benchmarks.lm.timing
 import benchmarks.lm.train
 from benchmarks import harness, lm, stats, study as study_lib, training
 from benchmarks.reports import lm as report_lib
+from tests.helpers import ROOT
 
 # The quick study's toy model: the unit tests and the study share its
 # compiled operations (nanoGPT's initialisation runs op by op).
@@ -469,7 +469,7 @@ def test_default_output_is_git_ignored():
 @needs_data
 def test_accelerator_script_toy(tmp_path):
   """The script end to end at toy size on CPU: the machine record and the
-  LM's paired seeds (its speed part runs the functions tests/test_speed.py
+  LM's paired seeds (its speed part runs the functions test_speed.py
   already runs as a child process, so it is skipped here: SPEED=0)."""
   # XLA_FLAGS kept: the suite's compile settings (conftest.py) reach the
   # child as they reach this process (TOY=1 adds the same level-0 flag).
@@ -477,8 +477,7 @@ def test_accelerator_script_toy(tmp_path):
   # PATH (the suite may run as /path/to/venv/bin/python -m pytest).
   env = dict(os.environ, TOY="1", OUT=str(tmp_path / "acc"), SEEDS="0",
              SPEED="0", PYTHON=sys.executable)
-  root = pathlib.Path(__file__).resolve().parent.parent
-  proc = subprocess.run(["bash", str(root / "benchmarks" / "accelerator.sh")],
+  proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "accelerator.sh")],
                         env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   acc = tmp_path / "acc"

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks (benchmarks/), apart from the library's."""
