@@ -3,11 +3,12 @@ it (benchmarks/results/lm/robustness_plan.md): every arm on one shared
 x-axis, the base learning rate eta of its AdamW-trained weights, its other
 rates moving with eta by the ratio its study tuning chose; the full
 2,000-iteration schedule; three tuning seeds per point, seed-major; a run
-that diverges is stopped, kept and counted at its initial loss. Here: the
-sweep (`Sweep`, its presets `SWEEPS`), each point's configuration, the
-plan (the grid extended as the reference's runs come in, then the claims'
-runs), its runner (`run_robustness`, shared by workers) and its report
-(`robustness_report`: `benchmarks.reports.robustness`).
+that diverges is stopped, kept and counted at its initial loss. The sweep
+itself (grid and extension, seed-major order, what is left, worker shares,
+the runner) is `benchmarks.sweep`'s; here its LM side: the sweep (`Sweep`,
+its presets `SWEEPS`), each point's configuration and run name, the
+claims' runs after the sweep, the runner's LM pieces (`run_robustness`)
+and the report (`robustness_report`: `benchmarks.reports.robustness`).
 
 >>> c = sweep_config(SWEEP, "stiefel", 1e-3)
 >>> c.learning_rate, c.min_lr, c.stiefel_learning_rate, c.max_step_norm
@@ -23,7 +24,7 @@ import os
 import pathlib
 from typing import Mapping, Optional
 
-from benchmarks import harness, study as study_lib
+from benchmarks import harness, sweep as sweep_lib
 from benchmarks.lm.config import CPU, QUICK, Config, run_name
 from benchmarks.lm.data import Corpus
 from benchmarks.lm.study import REFERENCE_DIR, point_config, study_data
@@ -35,18 +36,12 @@ SECTION = "## Learning-rate robustness (language model)"
 
 
 @dataclasses.dataclass(frozen=True)
-class Sweep:
-  """arms (the first is the reference, AdamW), grid of eta, extension (the
-  points added upward, in turn, while the reference finishes at the top
-  point on any seed), ratios {arm: {Config field: multiple of eta}},
-  cap_ratio (stiefel: max_step_norm = cap_ratio x its Q/K lr), seeds (run
-  seed-major), base (the configuration, its schedule the runs')."""
-  arms: tuple
-  grid: tuple
-  extension: tuple
-  ratios: Mapping
+class Sweep(sweep_lib.Sweep):
+  """`benchmarks.sweep.Sweep` (arms, grid, extension, ratios {arm: {Config
+  field: multiple of eta}}, seeds) with cap_ratio (stiefel: max_step_norm
+  = cap_ratio x its Q/K lr), base (the configuration, its schedule the
+  runs') and the claims' seeds."""
   cap_ratio: float
-  seeds: tuple
   base: Config
   claim_seeds: Mapping = dataclasses.field(default_factory=lambda: {
       "discovery": harness.DISCOVERY_SEEDS[:8],
@@ -81,57 +76,40 @@ def sweep_config(sweep: Sweep, arm: str, eta: float) -> Config:
   """The arm's configuration at base learning rate eta (its floor eta / 10,
   as every LM run; its Q/K rates eta times its ratios)."""
   hp = {"learning_rate": eta}
-  hp.update({k: float(f"{r * eta:.6g}")
-             for k, r in sweep.ratios.get(arm, {}).items()})
+  hp.update(sweep.rates(arm, eta))
   if arm == "stiefel":
     hp["max_step_ratio"] = sweep.cap_ratio
   return point_config(sweep.base, arm, hp, sweep.base.max_iters)
 
 
-def finished(rec: Optional[Mapping]) -> bool:
-  """A run that reached its end, diverged or not."""
-  return rec is not None and rec.get("final") is not None
+def task_name(sweep: Sweep, task: tuple, data_id: str) -> str:
+  arm, eta, seed = task
+  return run_name(sweep_config(sweep, arm, eta), seed, data_id)
+
+
+def names(sweep: Sweep, data_id: str) -> sweep_lib.Names:
+  """The sweep's run names on the corpus data_id (`benchmarks.sweep`'s
+  `name`)."""
+  return lambda task: task_name(sweep, task, data_id)
 
 
 def grid(sweep: Sweep, done: Mapping, data_id: str = "") -> tuple:
-  """The grid with the extension points the reference's finished runs
-  open: the next point up while the reference finished the top point
-  without diverging on any seed (done: {name: record})."""
-  points = tuple(sweep.grid)
-  for nxt in sweep.extension:
-    cfg = sweep_config(sweep, sweep.arms[0], points[-1])
-    runs = [done.get(run_name(cfg, s, data_id)) for s in sweep.seeds]
-    if not any(finished(r) and not r.get("stopped") for r in runs):
-      break
-    points += (nxt,)
-  return points
+  """`benchmarks.sweep.grid`: the grid with the points AdamW's finished
+  runs open."""
+  return sweep_lib.grid(sweep, done, names(sweep, data_id))
 
 
 def tasks(sweep: Sweep, done: Mapping, data_id: str) -> list:
-  """Every (arm, eta, seed) the finished runs let us name, seed-major (all
-  arms at every point at the first seed, then the next), the reference's
-  points first within a seed so that its extension is known in time."""
-  points = grid(sweep, done, data_id)
-  return [(arm, eta, seed) for seed in sweep.seeds for arm in sweep.arms
-          for eta in points]
-
-
-def unfinished(sweep: Sweep, planned: list, done: Mapping,
-               data_id: str) -> list:
-  """The tasks of `planned` without a finished run in `done`."""
-  return [t for t in planned
-          if not finished(done.get(task_name(sweep, t, data_id)))]
+  """`benchmarks.sweep.tasks`: every (arm, eta, seed), seed-major."""
+  return sweep_lib.tasks(sweep, done, names(sweep, data_id))
 
 
 def remaining(sweep: Sweep, done: Mapping, data_id: str) -> list:
   """The sweep's unfinished runs; once it is complete, the claims'
   (`claim_tasks`)."""
-  left = unfinished(sweep, tasks(sweep, done, data_id), done, data_id)
-  if left:
-    return left
-  return unfinished(sweep, claim_tasks(sweep, claim_plan(sweep, done,
-                                                          data_id)),
-                    done, data_id)
+  name = names(sweep, data_id)
+  return sweep_lib.remaining(sweep, done, name) or sweep_lib.unfinished(
+      claim_tasks(sweep, claim_plan(sweep, done, data_id)), done, name)
 
 
 def eta_high(curve: Mapping) -> float:
@@ -180,88 +158,42 @@ def claim_tasks(sweep: Sweep, plan: Mapping) -> list:
 def claim_runs(sweep: Sweep, done: Mapping, data_id: str) -> dict:
   """{"plan": claim_plan, stage: rows {arm, eta, seed, record}} of the
   claims' finished runs; {} while the sweep is not complete."""
-  if unfinished(sweep, tasks(sweep, done, data_id), done, data_id):
+  if sweep_lib.remaining(sweep, done, names(sweep, data_id)):
     return {}
   plan = claim_plan(sweep, done, data_id)
   out = {"plan": plan, "discovery": [], "confirmation": []}
   for t in claim_tasks(sweep, plan):
     rec = done.get(task_name(sweep, t, data_id))
-    if finished(rec):
+    if sweep_lib.finished(rec):
       out[harness.seed_block(t[2])].append(
           dict(arm=t[0], eta=t[1], seed=t[2], record=rec))
   return out
 
 
-def task_name(sweep: Sweep, task: tuple, data_id: str) -> str:
-  arm, eta, seed = task
-  return run_name(sweep_config(sweep, arm, eta), seed, data_id)
-
-
 def sweep_runs(sweep: Sweep, done: Mapping, data_id: str) -> list:
   """The sweep's finished runs as rows {arm, eta, seed, record}."""
-  rows = []
-  for t in tasks(sweep, done, data_id):
-    rec = done.get(task_name(sweep, t, data_id))
-    if finished(rec) and harness.matches(rec):
-      rows.append(dict(arm=t[0], eta=t[1], seed=t[2], record=rec))
-  return rows
+  name = names(sweep, data_id)
+  return sweep_lib.runs(sweep_lib.tasks(sweep, done, name), done, name)
 
 
 # --------------------------------------------------------------------------
 # The runner and the report.
 
 
-def worker_share(spec: Optional[str]):
-  """--worker I/N as a predicate on run names (None: every run)."""
-  if spec is None:
-    return lambda name: True
-  try:
-    i, n = (int(x) for x in spec.split("/"))
-  except ValueError:
-    i, n = -1, 0
-  if not 0 <= i < n:
-    raise SystemExit(f"--worker must be I/N with 0 <= I < N; got {spec!r}.")
-  return lambda name: int(harness.digest(name, 8), 16) % n == i
-
-
 def run_robustness(sweep: Sweep, corpus: Corpus,
                    out: pathlib.Path, *, command: str = "", log=print,
                    time_budget: float = 0.0, dry_run: bool = False,
                    worker: Optional[str] = None) -> int:
-  """Runs the sweep's unfinished runs in plan order (the grid extended as
-  the reference's runs come in, the finished runs read anew from `out`
-  before each, so that workers sharing it see each other's); stops before
-  a run expected to end past time_budget seconds. Returns the number of
-  runs trained (dry_run: prints how many are left and their expected
-  time, trains none)."""
-  store, mine = harness.RunStore(out), worker_share(worker)
-  records = store.records()
-  done: dict = {}     # read from `out` by every left()
-
-  def left() -> list:
-    done.update(harness.finished_runs(store.records(), current_version=True))
-    return [t for t in remaining(sweep, done, corpus.data_id)
-            if mine(task_name(sweep, t, corpus.data_id))]
-
-  # Iteration rates from these runs, else the study's of the same size.
+  """`benchmarks.sweep.run` of the sweep's and then the claims' runs
+  (`remaining`), each trained by `train_run`, its expected time from the
+  iteration rates of out's runs, else of the study's of the same size.
+  Returns the number of runs trained (dry_run: none)."""
   rates = {**iteration_rates(harness.RunStore(REFERENCE_DIR).records()),
-           **iteration_rates(records)}
-  if dry_run:
-    todo = left()
-    secs = [run_seconds(sweep_config(sweep, a, e), rates)
-            for a, e, _ in todo]
-    known = [s for s in secs if s is not None]
-    log(f"{len(todo)} runs planned left (the grid may still extend);"
-        f" about {sum(known) / 3600:.1f} h for the {len(known)} of them"
-        " with a timed configuration, at full length (a diverged run"
-        " stops early)")
-    return 0
+           **iteration_rates(harness.RunStore(out).records())}
 
   def execute(task) -> dict:
-    rec = train_run(sweep_config(sweep, task[0], task[1]),
-                    task[2], corpus, out, command=command, log=log)
-    done[rec["name"]] = rec
-    return rec
+    return train_run(sweep_config(sweep, task[0], task[1]),
+                     task[2], corpus, out, command=command, log=log)
 
   def describe(task, rec: dict) -> str:
     f, why = rec["final"], rec.get("stopped")
@@ -270,11 +202,13 @@ def run_robustness(sweep: Sweep, corpus: Corpus,
             + (f"; diverged at {why['diverged_at']}: {why['reason']}"
                if why else ""))
 
-  return study_lib.run_tasks(
-      left, execute, desc="lm robustness", describe=describe,
+  return sweep_lib.run(
+      sweep, out, names(sweep, corpus.data_id), execute,
+      plan=lambda done: remaining(sweep, done, corpus.data_id),
+      describe=describe, desc="lm robustness",
       expected_s=lambda t: run_seconds(
           sweep_config(sweep, t[0], t[1]), rates),
-      time_budget=time_budget, log=log, progress=False)
+      worker=worker, time_budget=time_budget, log=log, dry_run=dry_run)
 
 
 def robustness_report(out: pathlib.Path, name: str,

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import harness, training
+from benchmarks import harness, sweep, training
 from benchmarks.lm.arms import frames, lr_schedule, make_optimizer
 from benchmarks.lm.config import Config, check_config, run_name
 from benchmarks.lm.data import Corpus, get_batch
@@ -202,17 +202,10 @@ def json_value(x):
 
 
 def diverged(hist: dict) -> Optional[dict]:
-  """The divergence rule of the robustness plan at the last evaluation:
-  its training or validation estimate non-finite (None) or above that
-  split's initial estimate (step 0's); then {"diverged_at": step,
-  "reason": ...}, which stops the run (`training.train_run`)."""
-  for k in ("train_loss", "val_loss"):
-    v, first = hist[k][-1], hist[k][0]
-    if v is None or first is None or v > first:
-      return dict(diverged_at=hist["step"][-1], reason=(
-          f"{k} non-finite" if v is None or first is None
-          else f"{k} {v:.4f} above the initial {first:.4f}"))
-  return None
+  """The divergence rule of the robustness plan (`benchmarks.sweep.
+  divergence`) on the training and validation estimates; its result stops
+  the run (`training.train_run`)."""
+  return sweep.divergence(hist, ("train_loss", "val_loss"))
 
 
 def train_run(cfg: Config, seed: int, corpus: Corpus,

@@ -1,0 +1,191 @@
+"""A learning-rate sweep (issue 30), the same for every benchmark: each arm
+over one grid of a base learning rate eta (the rate of the AdamW-trained
+weights; an arm's other rates move with it by fixed ratios), on a few
+tuning seeds, run seed-major; the grid extended upward while the reference
+arm still finishes its top point; a run that diverges stopped, kept and
+counted (its record's `stopped`). An experiment says how a run is named
+from its task (arm, eta, seed) (`name`: a function of the task, whose
+result changes with whatever the run depends on), and how one is trained
+(`execute`); this module plans the runs (`grid`, `tasks`, `unfinished`,
+`remaining`), reads them (`finished`, `runs`), shares them among workers
+(`worker_share`) and runs them (`run`). Reports: `benchmarks.reports.
+robustness`.
+
+>>> s = Sweep(arms=("adamw", "stiefel"), grid=(1e-3, 1e-2), extension=(0.1,),
+...           ratios={"stiefel": {"lr": 30.0}}, seeds=(100, 101))
+>>> s.rates("stiefel", 1e-3), s.rates("adamw", 1e-3)
+({'lr': 0.03}, {})
+>>> name = lambda t: f"{t[0]}_{t[1]:g}_{t[2]}"
+>>> tasks(s, {}, name)[:3]       # seed-major, the reference's points first
+[('adamw', 0.001, 100), ('adamw', 0.01, 100), ('stiefel', 0.001, 100)]
+>>> done = {"adamw_0.01_101": {"final": {"loss": 1.0}}}
+>>> grid(s, done, name)          # adamw finished its top point: one more
+(0.001, 0.01, 0.1)
+>>> done["adamw_0.01_101"]["stopped"] = {"diverged_at": 250}
+>>> grid(s, done, name)          # ... not if that run diverged
+(0.001, 0.01)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Callable, Mapping, Optional, Sequence
+
+from benchmarks import harness, study as study_lib
+
+# A run's name from its task (arm, eta, seed).
+Names = Callable[[tuple], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """arms (the first is the reference, AdamW), grid of eta, extension (the
+  points added upward, in turn, while the reference finishes at the top
+  point on any seed), ratios {arm: {hyperparameter: multiple of eta}},
+  seeds (the tuning seeds, run seed-major). An experiment's sweep adds what
+  else its runs depend on (its base configuration)."""
+  arms: tuple
+  grid: tuple
+  extension: tuple
+  ratios: Mapping
+  seeds: tuple
+
+  def rates(self, arm: str, eta: float) -> dict:
+    """{hyperparameter: ratio x eta} of the arm (6 significant digits)."""
+    return {k: float(f"{r * eta:.6g}")
+            for k, r in self.ratios.get(arm, {}).items()}
+
+
+def finished(rec: Optional[Mapping]) -> bool:
+  """A run that reached its end, diverged or not."""
+  return rec is not None and rec.get("final") is not None
+
+
+def diverged(rec: Mapping) -> bool:
+  """A run stopped by the divergence rule (`divergence`)."""
+  return bool(rec.get("stopped"))
+
+
+def divergence(hist: Mapping, keys: Sequence[str]) -> Optional[dict]:
+  """The divergence rule at a run's last evaluation: a loss of `keys`
+  non-finite (None) or above its own initial value (the first evaluation's,
+  step 0); then {"diverged_at": step, "reason": ...}, which stops the run.
+
+  >>> h = dict(step=[0, 250], val_loss=[4.2, 4.3])
+  >>> divergence(h, ["val_loss"])
+  {'diverged_at': 250, 'reason': 'val_loss 4.3000 above the initial 4.2000'}
+  """
+  for k in keys:
+    v, first = hist[k][-1], hist[k][0]
+    if v is None or first is None or v > first:
+      return dict(diverged_at=hist["step"][-1], reason=(
+          f"{k} non-finite" if v is None or first is None
+          else f"{k} {v:.4f} above the initial {first:.4f}"))
+  return None
+
+
+def grid(sweep: Sweep, done: Mapping, name: Names) -> tuple:
+  """The grid with the extension points the reference's finished runs
+  open: the next point up while the reference finished the top point
+  without diverging on any seed (done: {name: record})."""
+  points = tuple(sweep.grid)
+  for nxt in sweep.extension:
+    runs = [done.get(name((sweep.arms[0], points[-1], s)))
+            for s in sweep.seeds]
+    if not any(finished(r) and not diverged(r) for r in runs):
+      break
+    points += (nxt,)
+  return points
+
+
+def tasks(sweep: Sweep, done: Mapping, name: Names) -> list:
+  """Every (arm, eta, seed) the finished runs let us name, seed-major (all
+  arms at every point at the first seed, then the next), the reference's
+  points first within a seed so that its extension is known in time."""
+  points = grid(sweep, done, name)
+  return [(arm, eta, seed) for seed in sweep.seeds for arm in sweep.arms
+          for eta in points]
+
+
+def unfinished(planned: Sequence[tuple], done: Mapping, name: Names) -> list:
+  """The tasks of `planned` without a finished run in `done`."""
+  return [t for t in planned if not finished(done.get(name(t)))]
+
+
+def remaining(sweep: Sweep, done: Mapping, name: Names) -> list:
+  """The sweep's unfinished runs, in plan order."""
+  return unfinished(tasks(sweep, done, name), done, name)
+
+
+def runs(planned: Sequence[tuple], done: Mapping, name: Names) -> list:
+  """The finished runs of `planned` whose identity checks
+  (`harness.matches`), as rows {arm, eta, seed, record}: what a report
+  reads."""
+  rows = []
+  for t in planned:
+    rec = done.get(name(t))
+    if finished(rec) and harness.matches(rec):
+      rows.append(dict(arm=t[0], eta=t[1], seed=t[2], record=rec))
+  return rows
+
+
+def worker_share(spec: Optional[str]):
+  """--worker I/N as a predicate on run names (None: every run).
+
+  >>> mine = worker_share("1/2")
+  >>> [mine(n) for n in ("a", "b", "c")] == [
+  ...     not worker_share("0/2")(n) for n in ("a", "b", "c")]
+  True
+  """
+  if spec is None:
+    return lambda name: True
+  try:
+    i, n = (int(x) for x in spec.split("/"))
+  except ValueError:
+    i, n = -1, 0
+  if not 0 <= i < n:
+    raise SystemExit(f"--worker must be I/N with 0 <= I < N; got {spec!r}.")
+  return lambda name: int(harness.digest(name, 8), 16) % n == i
+
+
+def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
+        describe: Callable, expected_s: Callable, desc: str,
+        plan: Optional[Callable[[Mapping], list]] = None,
+        worker: Optional[str] = None, time_budget: float = 0.0, log=print,
+        dry_run: bool = False) -> int:
+  """Runs the unfinished runs of plan(done) (default: `remaining`) in plan
+  order, execute(task) training one and returning its record (saved under
+  out/runs/ as name(task)); the finished runs (`harness.finished_runs`
+  under this numerics version) are read anew from `out` before each, so
+  that workers sharing it see each other's, and a worker trains only its
+  share (`worker_share`). Stops before a run expected (expected_s(task):
+  seconds or None) to end past time_budget seconds. Returns the number of
+  runs trained (dry_run: logs how many are left and their expected time,
+  trains none)."""
+  store, mine = harness.RunStore(out), worker_share(worker)
+  plan = plan or (lambda done: remaining(sweep, done, name))
+  done: dict = {}     # read from `out` by every left()
+
+  def left() -> list:
+    done.update(harness.finished_runs(store.records(), current_version=True))
+    return [t for t in plan(done) if mine(name(t))]
+
+  if dry_run:
+    todo = left()
+    known = [s for s in map(expected_s, todo) if s is not None]
+    log(f"{len(todo)} runs planned left"
+        + (" (the grid may still extend)" if sweep.extension else "")
+        + f"; about {sum(known) / 3600:.1f} h for the {len(known)} of them"
+        " with a timed configuration, at full length (a diverged run"
+        " stops early)")
+    return 0
+
+  def one(task) -> dict:
+    rec = execute(task)
+    done[name(task)] = rec
+    return rec
+
+  return study_lib.run_tasks(left, one, desc=desc, describe=describe,
+                             expected_s=expected_s, time_budget=time_budget,
+                             log=log, progress=False)
