@@ -121,6 +121,43 @@ def train_chunk(loss_fn: Callable, tx: optax.GradientTransformation,
   return chunk
 
 
+def frame_step_records(frames, lr: Callable, *, cap: Optional[float] = None,
+                       b1: float = 0.9, b2: float = 0.999,
+                       eps: float = 1e-8) -> Callable:
+  """aux_fn(old, new, opt_state) for `train_chunk`: a Stiefel recipe's
+  per-step records on the Q/K frames of the selector `frames`.
+
+  `step_norm`: the mean over the frames of ||W+ - W||_F. With `cap` (the
+  recipe's trust-region max_step_norm), also `cap_binds`: the fraction of
+  frames whose uncapped step lr(t - 1) ||m^||_F / (sqrt(v^) + eps) (Adam's
+  bias-corrected moments, b1 and b2 the recipe's, read from the one
+  `ScaleByFrameAdamState` of the new state) exceeds the cap, i.e. where
+  the step is cap m / ||m|| and the second moment plays no part.
+  """
+  is_adam = lambda s: isinstance(s, so.ScaleByFrameAdamState)
+
+  def records(old, new, opt_state):
+    out = dict(step_norm=mean_of(so.frame_movement(old, new, frames).values()))
+    if cap is not None:
+      (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam)
+                 if is_adam(s)]
+      t = adam.count.astype(jnp.float32)
+      uncapped = [lr(t - 1) * jnp.linalg.norm(m, axis=(-2, -1))
+                  / ((1 - b1 ** t) * (jnp.sqrt(v / (1 - b2 ** t)) + eps))
+                  for m, v in zip(jax.tree.leaves(adam.mu),
+                                  jax.tree.leaves(adam.nu))]
+      out["cap_binds"] = mean_of(n > cap for n in uncapped)
+    return out
+
+  return records
+
+
+def mean_of(arrays) -> jax.Array:
+  """The mean over every element of the arrays (float32)."""
+  return jnp.mean(jnp.concatenate([jnp.ravel(a).astype(jnp.float32)
+                                   for a in arrays]))
+
+
 def loss_and_accuracy(logits: jax.Array, labels: jax.Array):
   """(mean cross-entropy in float32, accuracy) of `logits` (..., classes)
   against integer `labels` (...): grokking's answer token, CIFAR's image

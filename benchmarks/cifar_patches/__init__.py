@@ -9,6 +9,8 @@ against AdamW, with data scaling, baselines and ablations (paired seeds).
     python -m benchmarks.cifar_patches ... --time-budget 9000  # stops itself
     python -m benchmarks.cifar_patches --report-only --out benchmarks/results/cifar \
         --data PATH --results-md benchmarks/RESULTS.md   # the committed tables
+    python -m benchmarks.cifar_patches --robustness --out \
+        benchmarks/results/cifar_robustness   # the learning-rate sweep (issue 30)
 
 Every arm trains the same patch transformer (`benchmarks.models`,
 `PatchViTConfig`) with the same AdamW on every parameter
@@ -43,6 +45,9 @@ study, cli; the model is `benchmarks.models`' patch transformer):
     study.py    the arms' groups (each arm's tuning grid) and seeds, the
                 report's families, `Bench` (the study's runs planned, read,
                 written and timed), the lines a study prints
+    robustness.py  the learning-rate sweep (`benchmarks.sweep` on this
+                model: its grid, ratios and seeds, one run epoch by epoch
+                with its divergence stop, the report)
     cli.py      the command line: plan and estimate, the runs, the report
 
 Run stores, identities (`harness.run_identity`) and the machine record are

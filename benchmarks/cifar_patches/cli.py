@@ -11,9 +11,10 @@ import time
 
 import benchmarks.cifar_patches
 from benchmarks import harness, study as study_lib
-from benchmarks.cifar_patches import data as cifar_data
+from benchmarks.cifar_patches import data as cifar_data, robustness
 from benchmarks.cifar_patches.arms import ARMS
 from benchmarks.cifar_patches.config import PRESETS
+from benchmarks.cifar_patches.train import Trainer
 from benchmarks.cifar_patches.study import (GROUPS, MAIN_SEEDS, OTHER_SEEDS,
                                             Bench, describe, estimate_text,
                                             families, quick_groups)
@@ -53,6 +54,14 @@ def parse_args(argv=None):
   p.add_argument("--dim", type=int, default=None, help="model width d")
   p.add_argument("--heads", type=int, default=None)
   p.add_argument("--depth", type=int, default=None)
+  p.add_argument("--robustness", action="store_true",
+                 help="the learning-rate sweep (issue 30; plan:"
+                      " benchmarks/results/lm/robustness_plan.md, its CIFAR"
+                      " section): its arms, grid and seeds are fixed"
+                      " (benchmarks/cifar_patches/robustness.py SWEEP)")
+  p.add_argument("--worker", default=None, metavar="I/N",
+                 help="with --robustness: train only this worker's share of"
+                      " the runs (workers sharing --out see each other's)")
   p.add_argument("--hp-from", type=pathlib.Path, default=None,
                  help="reuse the hyperparameters chosen in this results folder"
                       " (its summary.json) instead of tuning those arms")
@@ -61,6 +70,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
+  if args.robustness:
+    return main_robustness(args, argv)
   cfg = PRESETS["quick" if args.quick else "default"]
   if args.quick:
     data = cifar_data.synthetic(448, cfg.val_size)
@@ -114,3 +125,37 @@ def main(argv=None) -> dict:
                              data.source)
   print(f"results: {out}")
   return summary
+
+
+def main_robustness(args, argv) -> dict:
+  """--robustness: the sweep's runs (unless --report-only), then its report
+  (and its RESULTS.md section with --results-md)."""
+  fixed = [f for f, v in (("--sizes", args.sizes), ("--arms", args.arms),
+                          ("--seeds", args.seeds), ("--epochs", args.epochs),
+                          ("--dim", args.dim), ("--heads", args.heads),
+                          ("--depth", args.depth), ("--hp-from", args.hp_from),
+                          ("--other-seeds", args.other_seeds)) if v]
+  if fixed:
+    raise SystemExit(f"--robustness fixes its arms, grid, seeds and model"
+                     f" (benchmarks/cifar_patches/robustness.py SWEEP);"
+                     f" drop {', '.join(fixed)}.")
+  name = "quick" if args.quick else "full"
+  sweep = robustness.SWEEPS[name]
+  data = (cifar_data.synthetic(448, sweep.base.val_size) if args.quick else
+          cifar_data.load_cifar10(args.data, download_missing=args.download))
+  out = args.out or harness.default_out(
+      "cifar_robustness" + "_quick" * args.quick)
+  if not args.report_only:
+    robustness.run_robustness(
+        sweep, Trainer(data, sweep.base), out,
+        command=harness.command_line("benchmarks.cifar_patches", argv or []),
+        time_budget=args.time_budget, dry_run=args.dry_run,
+        worker=args.worker)
+    if args.dry_run:
+      return {}
+  rep = robustness.robustness_report(out, name, data.source, args.results_md)
+  if args.results_md:
+    harness.write_section(args.results_md, robustness.SECTION,
+                          rep["section"])
+  print(f"results: {out}")
+  return rep

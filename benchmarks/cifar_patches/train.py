@@ -13,7 +13,8 @@ import optax
 
 import stiefel_optax as so
 from benchmarks import study as study_lib, training
-from benchmarks.cifar_patches.arms import ARMS, frames_of, make_optimizer
+from benchmarks.cifar_patches.arms import (ARMS, frames_of, make_optimizer,
+                                           schedule)
 from benchmarks.cifar_patches.config import Config
 from benchmarks.cifar_patches.data import (Dataset, channel_stats, seed_stream,
                                            validation_split)
@@ -45,25 +46,40 @@ def normalize(x_uint8, mean, std):
   return (x_uint8.astype(jnp.float32) / 255.0 - mean) / std
 
 
-def make_epoch_fn(model: Transformer, tx, mean, std):
-  """jit(carry, idx (steps, batch), x, y) -> (carry, mean loss, None): one
-  epoch of `training.train_chunk`, a step per row of idx."""
+def make_epoch_fn(model: Transformer, tx, mean, std, aux_fn=None):
+  """jit(carry, idx (steps, batch), x, y) -> (carry, mean loss, mean aux
+  or None): one epoch of `training.train_chunk`, a step per row of idx
+  (aux_fn: its per-step records)."""
 
   def loss_fn(params, xb, yb):
     logits = model.apply({"params": params}, normalize(xb, mean, std))
     return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
 
   return jax.jit(training.train_chunk(loss_fn, tx,
-                                      lambda i, x, y: (x[i], y[i])))
+                                      lambda i, x, y: (x[i], y[i]),
+                                      aux_fn=aux_fn))
 
 
-def make_eval_fn(model: Transformer, mean, std):
-  """jit(params, x, y) -> accuracy on the images x (uint8) and labels y."""
+def make_eval_fn(model: Transformer, mean, std, with_loss: bool = False):
+  """jit(params, x, y) -> accuracy on the images x (uint8) and labels y
+  (with_loss: (mean cross-entropy, accuracy))."""
   @jax.jit
-  def accuracy(params, x, y):
+  def evaluate(params, x, y):
     logits = model.apply({"params": params}, normalize(x, mean, std))
-    return training.loss_and_accuracy(logits, y)[1]
-  return accuracy
+    loss, acc = training.loss_and_accuracy(logits, y)
+    return (loss, acc) if with_loss else acc
+  return evaluate
+
+
+def step_records(cfg: Config, arm: str, hp: dict, total_steps: int):
+  """The per-step records of the Stiefel arms on the Q/K frames
+  (`training.frame_step_records`: step_norm, and for stiefel, whose trust
+  region caps the step at hp["cap"], cap_binds); None for the others."""
+  if arm not in ("stiefel", "rsgd"):
+    return None
+  return training.frame_step_records(
+      frames_of(ARMS[arm]), schedule(hp["lr"], total_steps, cfg),
+      cap=hp["cap"] if arm == "stiefel" else None)
 
 
 class Trainer:
@@ -71,7 +87,7 @@ class Trainer:
   per (arm, hp, base, n): trains one run of a named arm (`train`)."""
 
   def __init__(self, data: Dataset, cfg: Config):
-    self.cfg = cfg
+    self.cfg, self.data_id = cfg, data.source
     self.model = cfg.model.build()
     self._models = {False: self.model}
     mean, std = channel_stats(data.x_train)
@@ -85,13 +101,19 @@ class Trainer:
     self._accuracy = {}
     self._epoch_fns = {}
 
-  def epoch_fn(self, arm: str, hp: dict, base: dict, n: int):
-    key = (arm, study_lib.point_key(hp), study_lib.point_key(base), n)
+  def epoch_fn(self, arm: str, hp: dict, base: dict, n: int,
+               records: bool = False):
+    """(tx, jitted epoch) of the arm at (hp, base) on n images; records:
+    the epoch also returns the Stiefel arms' step records
+    (`step_records`)."""
+    key = (arm, study_lib.point_key(hp), study_lib.point_key(base), n,
+           records)
     if key not in self._epoch_fns:
       steps = (n // self.cfg.batch) * self.cfg.epochs
       tx = make_optimizer(self.cfg, arm, hp, base, steps)
+      aux = step_records(self.cfg, arm, hp, steps) if records else None
       self._epoch_fns[key] = (tx, make_epoch_fn(self.model_of(ARMS[arm]), tx,
-                                                self.mean, self.std))
+                                                self.mean, self.std, aux))
     return self._epoch_fns[key]
 
   def model_of(self, arm: Arm) -> Transformer:
@@ -99,11 +121,13 @@ class Trainer:
       self._models[arm.qk_norm] = self.cfg.model.build(qk_norm=arm.qk_norm)
     return self._models[arm.qk_norm]
 
-  def accuracy(self, arm: Arm):
-    if arm.qk_norm not in self._accuracy:
-      self._accuracy[arm.qk_norm] = make_eval_fn(self.model_of(arm), self.mean,
-                                                 self.std)
-    return self._accuracy[arm.qk_norm]
+  def accuracy(self, arm: Arm, with_loss: bool = False):
+    """The jitted evaluation of the arm's model (`make_eval_fn`)."""
+    key = (arm.qk_norm, with_loss)
+    if key not in self._accuracy:
+      self._accuracy[key] = make_eval_fn(self.model_of(arm), self.mean,
+                                         self.std, with_loss)
+    return self._accuracy[key]
 
   def train(self, name: str, hp: dict, base: dict, seed: int, n: int,
             tuning: bool) -> dict:

@@ -86,39 +86,16 @@ def chunk_fn(cfg: Config, vocab_size: int):
 
 
 def step_records(cfg: Config):
-  """The Stiefel arms' per-step records (None for the others; train_chunk
-  averages them over a chunk): `step_norm`, the mean over the Q/K frames
-  of ||W+ - W||_F; for `stiefel` also `cap_binds`, the fraction of frames
-  whose trust-region cap bound, i.e. whose uncapped step
-  lr ||m^|| / (sqrt(v^) + eps) (Adam's bias-corrected moments, read from
-  the new state) exceeded max_step_norm. rsgd and stiefel_muon run
-  uncapped (their cap never binds)."""
+  """The Stiefel arms' per-step records (`training.frame_step_records`;
+  None for the other arms): `step_norm`; for `stiefel`, whose trust region
+  caps the step, also `cap_binds`. rsgd and stiefel_muon run uncapped
+  (their cap never binds)."""
   if cfg.arm not in ("stiefel", "rsgd", "stiefel_muon"):
     return None
-  sel, lr = frames(cfg), lr_schedule(cfg, cfg.stiefel_learning_rate)
-  is_adam = lambda s: isinstance(s, so.ScaleByFrameAdamState)
-
-  def records(old, new, opt_state):
-    out = dict(step_norm=_mean(so.frame_movement(old, new, sel).values()))
-    if cfg.arm == "stiefel":
-      (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam)
-                 if is_adam(s)]
-      t = adam.count.astype(jnp.float32)
-      uncapped = [lr(t - 1) * jnp.linalg.norm(m, axis=(-2, -1))
-                  / ((1 - cfg.beta1 ** t)
-                     * (jnp.sqrt(v / (1 - cfg.beta2 ** t)) + ADAM_EPS))
-                  for m, v in zip(jax.tree.leaves(adam.mu),
-                                  jax.tree.leaves(adam.nu))]
-      out["cap_binds"] = _mean(n > cfg.max_step_norm for n in uncapped)
-    return out
-
-  return records
-
-
-def _mean(arrays) -> jax.Array:
-  """The mean over every element of the arrays."""
-  return jnp.mean(jnp.concatenate([jnp.ravel(a).astype(jnp.float32)
-                                   for a in arrays]))
+  return training.frame_step_records(
+      frames(cfg), lr_schedule(cfg, cfg.stiefel_learning_rate),
+      cap=cfg.max_step_norm if cfg.arm == "stiefel" else None,
+      b1=cfg.beta1, b2=cfg.beta2, eps=ADAM_EPS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,7 +122,7 @@ def estimate_fn(cfg: Config, vocab_size: int):
     iso = so.frame_isometry_errors(params, frames(cfg))
     return dict(train_loss=split_loss(params, train, jax.random.fold_in(key, 0)),
                 val_loss=split_loss(params, val, jax.random.fold_in(key, 1)),
-                qk_iso=_mean(iso.values()),
+                qk_iso=training.mean_of(iso.values()),
                 max_logit=rec["max_logit"].max(-1), logit_bound=rec["bound"])
 
   return training.jit(estimate)

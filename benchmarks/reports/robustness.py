@@ -211,20 +211,22 @@ CLAIMS = {"best": "(a) each arm at its own best sweep point against AdamW"
 
 
 def claim_rows(rows: Sequence[Mapping], plan: Mapping, which: str,
-               arms: Sequence[str], reference: str = "adamw") -> list:
+               arms: Sequence[str], reference: str = "adamw",
+               loss_key: str = "val_loss_full") -> list:
   """A claims table (`stats.comparison_rows`, Holm across it): each arm
   against the reference, both at their best sweep points (which="best")
   or both at plan["high"]; the capped final loss, paired by seed."""
   eta = lambda a: plan["best"][a] if which == "best" else plan["high"]
   score = lambda c, role: {
-      r["seed"]: capped_loss(r["record"]) for r in rows
+      r["seed"]: capped_loss(r["record"], loss_key) for r in rows
       if r["arm"] == c[role] and r["eta"] == eta(c[role])}
   pairs = [dict(treatment=a, baseline=reference, eta=eta(a),
                 baseline_eta=eta(reference)) for a in arms if a != reference]
   return stats.comparison_rows(pairs, score, lower_is_better=True)
 
 
-def claim_lines(claims: Mapping, arms: Sequence[str]) -> list:
+def claim_lines(claims: Mapping, arms: Sequence[str],
+                loss_key: str = "val_loss_full") -> list:
   """Both claims tables on discovery and confirmation seeds, and the
   findings by the claims policy."""
   plan = claims["plan"]
@@ -236,7 +238,8 @@ def claim_lines(claims: Mapping, arms: Sequence[str]) -> list:
          " - adamw (negative: the treatment is better); wins: seeds where"
          " it is lower.", ""]
   for which, title in CLAIMS.items():
-    tables = {st: claim_rows(claims[st], plan, which, arms)
+    tables = {st: claim_rows(claims[st], plan, which, arms,
+                             loss_key=loss_key)
               for st in ("discovery", "confirmation")}
     out += [f"### {title}", ""]
     for st, rows in tables.items():
@@ -297,13 +300,18 @@ def plot_logits(rows: Sequence[Mapping], arms: Sequence[str],
 def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
            grid: Sequence[float], seeds: Sequence[int], left: int,
            reference: str = "adamw", heading: str, setting: str,
-           claims: Optional[Mapping] = None, figures: str = "") -> dict:
-  """Writes out/robustness.md with its two plots; returns {markdown,
-  section, curves}: section is the markdown with the plots' links prefixed
-  by `figures` (the folder as the RESULTS.md that holds it sees it).
-  left: the planned runs not yet finished; claims: the claims' runs by
-  stage with their plan (none before the sweep is complete)."""
-  cs = curves(rows)
+           claims: Optional[Mapping] = None, figures: str = "",
+           title: str = "LM", loss_key: str = "val_loss_full",
+           loss_text: str = "whole-split validation loss") -> dict:
+  """Writes out/robustness.md with its plots; returns {markdown, section,
+  curves}: section is the markdown with the plots' links prefixed by
+  `figures` (the folder as the RESULTS.md that holds it sees it). left:
+  the planned runs not yet finished; claims: the claims' runs by stage
+  with their plan (none before the sweep is complete); title, loss_key,
+  loss_text: the benchmark's name in the plot, the `final` loss read and
+  its words. The logit plot and table appear where the runs record
+  `max_logit`."""
+  cs = curves(rows, loss_key)
   lines = [heading, "", setting, "",
            f"Plan (fixed before any run): `{plan}`. Grid of eta:"
            f" {', '.join(fmt_eta(e) for e in grid)}; tuning seeds"
@@ -315,16 +323,18 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
   if not cs:
     lines.append("No finished run yet.")
   else:
-    plot_curves(cs, out / "robustness.png", "LM: final loss against eta")
+    plot_curves(cs, out / "robustness.png",
+                f"{title}: final loss against eta")
     lines += ["![loss against eta](FIGURES/robustness.png)", "",
-              "Mean capped final whole-split validation loss (n d/k: n of k"
+              f"Mean capped final {loss_text} (n d/k: n of k"
               " tuning seeds diverged, counted at their initial loss):", ""]
     lines += curve_table(cs) + [""]
     lines += [f"Per arm: best point, learning-rate sensitivity (Wortsman et"
               f" al.: mean over the grid of min(L, L0) - min L), the span of"
               f" rates whose mean stays within {WITHIN} of the best, runs"
               f" diverged:", ""] + summary_table(cs) + [""]
-    if reference in cs:
+    if reference in cs and any("max_logit" in r["record"]["history"]
+                               for r in rows):
       pts = sorted(set(adamw_points(cs[reference])))
       plot_logits(rows, list(cs), pts, out / "robustness_logits.png")
       lines += [f"Attention logits at {reference}'s best eta and at the"
@@ -340,7 +350,7 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
                 " steps and tuning seeds):", ""]
       lines += step_table(rows, stiefel) + [""]
   if claims:
-    lines += claim_lines(claims, list(cs))
+    lines += claim_lines(claims, list(cs), loss_key)
   text = "\n".join(lines).rstrip("\n") + "\n"
   link = lambda prefix: text.replace("](FIGURES/", f"]({prefix}")
   harness.write_text(out / "robustness.md", link(""))

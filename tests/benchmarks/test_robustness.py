@@ -203,3 +203,42 @@ def test_report_sensitivity_and_range():
   assert s["diverged"] == 1 and s["runs"] == 9
   means = [2.045, 2.005, 2.035, 2.205, 4.0]
   assert s["sensitivity"] == pytest.approx(np.mean(means) - 2.005)
+
+
+def test_cifar_quick_sweep_diverges_resumes_and_reports(tmp_path, capsys):
+  """The CIFAR sweep (benchmarks/cifar_patches/robustness.py) on its toy
+  path: every arm finishes at 0.01 and diverges at 30 (stopped there,
+  counted at L0), so the grid does not extend; the Stiefel run records its
+  cap; a rerun trains nothing; --report-only gives the same bytes."""
+  from benchmarks.cifar_patches import cli as cifar_cli
+  from benchmarks.cifar_patches import robustness as cifar_rob
+  out, md = tmp_path / "rob", tmp_path / "RESULTS.md"
+  md.write_text("# Benchmark results\n\n## Grokking\n\nother text\n")
+  rep = cifar_cli.main(["--robustness", "--quick", "--out", str(out),
+                        "--results-md", str(md)])
+  sweep = cifar_rob.QUICK_SWEEP
+  recs = {(r["arm"], r["eta"]): r for r in
+          (json.loads(p.read_text()) for p in (out / "runs").glob("*.json"))}
+  assert sorted(recs) == sorted((a, e) for a in sweep.arms
+                                for e in sweep.grid)
+  for arm in sweep.arms:
+    ok, bad = recs[arm, 1e-2], recs[arm, 30.0]
+    assert "stopped" not in ok and ok["final"]["val_loss"] < (
+        ok["history"]["val_loss"][0])
+    assert bad["stopped"]["diverged_at"] == bad["history"]["step"][1]
+    l0 = bad["history"]["val_loss"][0]
+    assert rep["curves"][arm][30.0]["losses"] == [l0]
+  binds = recs["stiefel", 1e-2]["history"]["cap_binds"]
+  assert binds[0] is None and all(0 <= b <= 1 for b in binds[1:])
+  assert all(b is None for b in recs["adamw", 1e-2]["history"]["cap_binds"])
+  text = md.read_text()
+  assert "## Learning-rate robustness (CIFAR)" in text and "other text" in text
+  report = (out / "robustness.md").read_bytes()
+  capsys.readouterr()
+  cifar_cli.main(["--robustness", "--quick", "--out", str(out)])
+  assert "planned left]" not in capsys.readouterr().out   # nothing trained
+  cifar_cli.main(["--robustness", "--quick", "--report-only", "--out",
+                  str(out)])
+  assert (out / "robustness.md").read_bytes() == report
+  with pytest.raises(SystemExit, match="--robustness fixes"):
+    cifar_cli.main(["--robustness", "--quick", "--arms", "adamw"])
