@@ -85,6 +85,12 @@ def divergence(hist: Mapping, keys: Sequence[str]) -> Optional[dict]:
   return None
 
 
+def stopped_text(rec: Mapping) -> str:
+  """"; diverged at <step>: <reason>" for a stopped run, else ""."""
+  why = rec.get("stopped")
+  return f"; diverged at {why['diverged_at']}: {why['reason']}" if why else ""
+
+
 def grid(sweep: Sweep, done: Mapping, name: Names) -> tuple:
   """The grid with the extension points the reference's finished runs
   open: the next point up while the reference finished the top point

@@ -177,11 +177,9 @@ def run_robustness(sweep: Sweep, trainer: Trainer, out: pathlib.Path, *,
     return float(np.median(walls)) if walls else None
 
   def describe(task, rec: dict) -> str:
-    f, why = rec["final"], rec.get("stopped")
+    f = rec["final"]
     return (f"{rec['name']}: val loss {f['val_loss']}, acc {f['val_acc']},"
-            f" {rec['wall_s']:.0f}s"
-            + (f"; diverged at {why['diverged_at']}: {why['reason']}"
-               if why else ""))
+            f" {rec['wall_s']:.0f}s" + sweep_lib.stopped_text(rec))
 
   return sweep_lib.run(
       sweep, out, names(sweep, trainer.data_id),

@@ -196,11 +196,9 @@ def run_robustness(sweep: Sweep, corpus: Corpus,
                      task[2], corpus, out, command=command, log=log)
 
   def describe(task, rec: dict) -> str:
-    f, why = rec["final"], rec.get("stopped")
     return (f"{rec['name']} (eta {task[1]:g}): val (whole split)"
-            f" {f['val_loss_full']}, {rec['wall_s']:.0f} s"
-            + (f"; diverged at {why['diverged_at']}: {why['reason']}"
-               if why else ""))
+            f" {rec['final']['val_loss_full']}, {rec['wall_s']:.0f} s"
+            + sweep_lib.stopped_text(rec))
 
   return sweep_lib.run(
       sweep, out, names(sweep, corpus.data_id), execute,
