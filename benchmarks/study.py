@@ -14,7 +14,7 @@ CIFAR and the language-model benchmarks:
   at most `max_extensions` times, until the best is interior
   (`tuned_axes`). The base arm (AdamW) is tuned first: its choice
   is the non-Q/K AdamW (`Task.base`) of every arm that does not set its own
-  (`Arm.own_base`, e.g. a whole-model AdamW recipe).
+  (`PlanArm.own_base`, e.g. a whole-model AdamW recipe).
 - **Plan.** The main arms' tuning, then their paired runs: at each size in
   order, discovery seeds before confirmation seeds (the seeds of
   `harness.seed_block`, fixed before any run), seed-major so that a
@@ -136,7 +136,7 @@ STAGES = ("tune", "discovery", "confirmation")
 PAIRED = STAGES[1:]
 
 
-class Arm(NamedTuple):
+class PlanArm(NamedTuple):
   """An arm as the plan sees it.
 
   axes: its tuning grid; () when it has nothing to tune; None when it takes
@@ -158,7 +158,7 @@ def sets_own_base(arm, base_arm: str = "adamw") -> bool:
   arm, an arm with own_base: e.g. a whole-model AdamW recipe) rather than
   the base arm's choice; `arm`: anything with a name and own_base.
 
-  >>> sets_own_base(Arm("adamw")), sets_own_base(Arm("stiefel"))
+  >>> sets_own_base(PlanArm("adamw")), sets_own_base(PlanArm("stiefel"))
   (True, False)
   """
   return arm.name == base_arm or arm.own_base
@@ -204,7 +204,7 @@ class Study:
   def names(self) -> tuple:
     return tuple(a.name for a in self.arms)
 
-  def arm(self, name: str) -> Arm:
+  def arm(self, name: str) -> PlanArm:
     for a in self.arms:
       if a.name == name:
         return a
@@ -214,15 +214,15 @@ class Study:
     return self.main_seeds if self.arm(name).main else self.other_seeds
 
 
-def with_dependencies(arms: Sequence[Arm], names: Sequence[str],
+def with_dependencies(arms: Sequence[PlanArm], names: Sequence[str],
                       base_arm: str = "adamw") -> tuple:
   """The arms of `arms` (in run order) that `names` asks for, with the
   arms they build on: the base arm (whose choice is every other arm's
   non-Q/K AdamW) and, transitively, the arm each takes its choice from
   (`tune_from`). Those join for their choice only: paired=False.
 
-  >>> arms = (Arm("adamw", ()), Arm("stiefel", ()),
-  ...         Arm("no_cap", None, tune_from="stiefel", main=False))
+  >>> arms = (PlanArm("adamw", ()), PlanArm("stiefel", ()),
+  ...         PlanArm("no_cap", None, tune_from="stiefel", main=False))
   >>> [(a.name, a.paired) for a in with_dependencies(arms, ["no_cap"])]
   [('adamw', False), ('stiefel', False), ('no_cap', True)]
   """

@@ -16,7 +16,7 @@ from benchmarks.cifar_patches.arms import ARMS, BASE_KEYS
 from benchmarks.cifar_patches.config import Config, Task, run_name
 from benchmarks.cifar_patches.data import Dataset
 from benchmarks.cifar_patches.train import Trainer
-from benchmarks.study import Arm
+from benchmarks.study import PlanArm
 
 # --------------------------------------------------------------------------
 # The study (`benchmarks.study`): which arms, tuned and paired how.
@@ -31,19 +31,19 @@ from benchmarks.study import Arm
 # one family of the report's comparisons (`families`).
 ADAMW_GRID = (("lr", (1e-3, 3e-3, 1e-2)), ("weight_decay", (0.01, 0.05, 0.25)))
 GROUPS = {
-    "main": (Arm("adamw", ADAMW_GRID),
-             Arm("stiefel", (("lr", (0.1, 0.3, 1.0)),
+    "main": (PlanArm("adamw", ADAMW_GRID),
+             PlanArm("stiefel", (("lr", (0.1, 0.3, 1.0)),
                              ("cap", (0.1, 0.3, 1.0)))),
-             Arm("rsgd", (("lr", (3.0, 10.0, 30.0)),))),
+             PlanArm("rsgd", (("lr", (3.0, 10.0, 30.0)),))),
     # the strongest alternatives (issue 14), at the largest n
-    "competitor": (Arm("stiefel_muon", (("lr", (0.01, 0.03, 0.1)),)),
-                   Arm("muon", (("lr", (1e-3, 3e-3, 1e-2)),)),
-                   Arm("qk_norm", ADAMW_GRID, own_base=True),
-                   Arm("orthogonal_init", ADAMW_GRID, own_base=True)),
-    "baseline": (Arm("frozen", ()),),
-    "ablation": tuple(Arm(a, None, tune_from="stiefel") for a in (
+    "competitor": (PlanArm("stiefel_muon", (("lr", (0.01, 0.03, 0.1)),)),
+                   PlanArm("muon", (("lr", (1e-3, 3e-3, 1e-2)),)),
+                   PlanArm("qk_norm", ADAMW_GRID, own_base=True),
+                   PlanArm("orthogonal_init", ADAMW_GRID, own_base=True)),
+    "baseline": (PlanArm("frozen", ()),),
+    "ablation": tuple(PlanArm(a, None, tune_from="stiefel") for a in (
         "no_projection", "per_coordinate_v", "no_cap", "whole_frame")),
-    "eps": tuple(Arm(f"eps_{eps:g}", None, tune_from="stiefel")
+    "eps": tuple(PlanArm(f"eps_{eps:g}", None, tune_from="stiefel")
                  for eps in (1e-3, 1e-2, 1e-1)),
 }
 # The protocol's paired seeds (issue 12), fixed before any run: 8 + 8 for

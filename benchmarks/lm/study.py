@@ -57,7 +57,7 @@ def study_arms(grids: Sequence[tuple], main=("adamw", "stiefel")) -> tuple:
   """The arms of grids ((arm, axes), ...), in that order: the main ones
   tuned and paired first, the AdamW recipes (OWN_ADAMW) on their own
   non-Q/K AdamW, the others on adamw's choice."""
-  return tuple(study_lib.Arm(a, axes, own_base=a in OWN_ADAMW, main=a in main)
+  return tuple(study_lib.PlanArm(a, axes, own_base=a in OWN_ADAMW, main=a in main)
                for a, axes in grids)
 
 

@@ -10,11 +10,11 @@ import pytest
 
 from benchmarks import study as S
 
-ADAMW = S.Arm("adamw", (("lr", (1e-3, 3e-3, 1e-2)),))
-STIEFEL = S.Arm("stiefel", (("lr", (0.1, 0.3, 1.0)),))
-OWN = S.Arm("own", (("lr", (1e-3, 3e-3, 1e-2)),), own_base=True, main=False)
-ABLATION = S.Arm("ablation", None, tune_from="stiefel", main=False)
-FROZEN = S.Arm("frozen", (), main=False)
+ADAMW = S.PlanArm("adamw", (("lr", (1e-3, 3e-3, 1e-2)),))
+STIEFEL = S.PlanArm("stiefel", (("lr", (0.1, 0.3, 1.0)),))
+OWN = S.PlanArm("own", (("lr", (1e-3, 3e-3, 1e-2)),), own_base=True, main=False)
+ABLATION = S.PlanArm("ablation", None, tune_from="stiefel", main=False)
+FROZEN = S.PlanArm("frozen", (), main=False)
 STUDY = S.Study(arms=(ADAMW, STIEFEL, OWN, ABLATION, FROZEN),
                 tune_seeds=(100, 101), main_seeds=(0, 1, 500, 501),
                 other_seeds=(0, 500), sizes=(4000, 1000))
