@@ -155,6 +155,55 @@ def worker_share(spec: Optional[str]):
   return lambda name: int(harness.digest(name, 8), 16) % n == i
 
 
+class Claims:
+  """Which worker trains which run: runs/<name>.claim holds the worker's
+  I/N while it trains the run (taken by exclusive creation, removed once
+  the record is saved), so that a worker done with its own share takes the
+  other workers' unstarted runs, last first, and no run is trained twice.
+  A worker starting again drops the claims it left.
+
+  >>> import tempfile
+  >>> d = pathlib.Path(tempfile.mkdtemp())
+  >>> a, b = Claims(d, "0/2"), Claims(d, "1/2")
+  >>> a.take("x"), b.take("x"), b.take("y")
+  (True, False, True)
+  >>> sorted(Claims(d, "0/2").held())       # 0/2 restarted: its claim is gone
+  ['y']
+  """
+
+  def __init__(self, folder: pathlib.Path, worker: str):
+    self.dir, self.worker = pathlib.Path(folder), worker
+    self.dir.mkdir(parents=True, exist_ok=True)
+    self.drop()
+
+  def drop(self) -> None:
+    """Removes this worker's claims."""
+    for p in self.dir.glob("*.claim"):
+      try:
+        if p.read_text() == self.worker:
+          p.unlink()
+      except FileNotFoundError:   # released meanwhile by its worker
+        pass
+
+  def path(self, name: str) -> pathlib.Path:
+    return self.dir / f"{name}.claim"
+
+  def take(self, name: str) -> bool:
+    try:
+      with open(self.path(name), "x") as f:
+        f.write(self.worker)
+    except FileExistsError:
+      return False
+    return True
+
+  def release(self, name: str) -> None:
+    self.path(name).unlink(missing_ok=True)
+
+  def held(self) -> set:
+    """The names of the runs being trained now."""
+    return {p.name[:-len(".claim")] for p in self.dir.glob("*.claim")}
+
+
 def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
         describe: Callable, expected_s: Callable, desc: str,
         plan: Optional[Callable[[Mapping], list]] = None,
@@ -165,20 +214,21 @@ def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
   out/runs/ as name(task)); the finished runs (`harness.finished_runs`
   under this numerics version) are read anew from `out` before each, so
   that workers sharing it see each other's, and a worker trains only its
-  share (`worker_share`). Stops before a run expected (expected_s(task):
-  seconds or None) to end past time_budget seconds. Returns the number of
-  runs trained (dry_run: logs how many are left and their expected time,
-  trains none)."""
+  share (`worker_share`), then the others' unstarted runs, last first
+  (`Claims`). Stops before a run expected (expected_s(task): seconds or
+  None) to end past time_budget seconds. Returns the number of runs
+  trained (dry_run: logs how many of its share are left and their
+  expected time, trains none)."""
   store, mine = harness.RunStore(out), worker_share(worker)
   plan = plan or (lambda done: remaining(sweep, done, name))
   done: dict = {}     # read from `out` by every left()
 
-  def left() -> list:
+  def share() -> list:
     done.update(harness.finished_runs(store.records(), current_version=True))
     return [t for t in plan(done) if mine(name(t))]
 
   if dry_run:
-    todo = left()
+    todo = share()
     known = [s for s in map(expected_s, todo) if s is not None]
     log(f"{len(todo)} runs planned left"
         + (" (the grid may still extend)" if sweep.extension else "")
@@ -187,11 +237,36 @@ def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
         " stops early)")
     return 0
 
+  claims = Claims(store.dir, worker) if worker else None
+
+  def left() -> list:
+    """The share's unclaimed runs, else the others' last first; the first
+    of them claimed for this worker (the one run_tasks trains next)."""
+    if claims is None:
+      return share()
+    own, held = share(), claims.held()
+    todo = [t for t in own if name(t) not in held] or [
+        t for t in reversed(plan(done))
+        if name(t) not in held and not mine(name(t))]
+    for i, t in enumerate(todo):
+      if claims.take(name(t)):
+        return todo[i:]
+    return []
+
   def one(task) -> dict:
-    rec = execute(task)
-    done[name(task)] = rec
+    try:
+      rec = execute(task)
+      done[name(task)] = rec
+    finally:
+      if claims is not None:
+        claims.release(name(task))
     return rec
 
-  return study_lib.run_tasks(left, one, desc=desc, describe=describe,
-                             expected_s=expected_s, time_budget=time_budget,
-                             log=log, progress=False)
+  try:
+    return study_lib.run_tasks(left, one, desc=desc, describe=describe,
+                               expected_s=expected_s,
+                               time_budget=time_budget, log=log,
+                               progress=False)
+  finally:
+    if claims is not None:   # the claim of a run a time budget stopped
+      claims.drop()

@@ -60,8 +60,9 @@ def parse_args(argv=None):
                       " section): its arms, grid and seeds are fixed"
                       " (benchmarks/cifar_patches/robustness.py SWEEP)")
   p.add_argument("--worker", default=None, metavar="I/N",
-                 help="with --robustness: train only this worker's share of"
-                      " the runs (workers sharing --out see each other's)")
+                 help="with --robustness: train this worker's share of"
+                      " the runs, then the others' unstarted ones (workers"
+                      " sharing --out see each other's)")
   p.add_argument("--hp-from", type=pathlib.Path, default=None,
                  help="reuse the hyperparameters chosen in this results folder"
                       " (its summary.json) instead of tuning those arms")

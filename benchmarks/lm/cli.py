@@ -62,11 +62,12 @@ def parse_args(argv):
                       " seeds, seed-major, then its report (--quick: the"
                       " same path at toy size, well under a minute)")
   p.add_argument("--worker", default=None, metavar="I/N",
-                 help="with --robustness: train only this worker's share of"
-                      " the runs (those whose name hashes to I mod N), so"
-                      " that N processes, each on its own core, share the"
-                      " sweep (on 2 cores two single-threaded workers train"
-                      " about 1.5x as many runs per hour as one process)")
+                 help="with --robustness: train this worker's share of"
+                      " the runs (those whose name hashes to I mod N), then"
+                      " the others' unstarted ones, so that N processes,"
+                      " each on its own core, share the sweep (on 2 cores"
+                      " two single-threaded workers train about 1.5x as"
+                      " many runs per hour as one process)")
   p.add_argument("--probe", type=int, default=0,
                  help="first time this many steps of the first run (not"
                       " saved) and print the projected wall time")

@@ -242,3 +242,40 @@ def test_cifar_quick_sweep_diverges_resumes_and_reports(tmp_path, capsys):
   assert (out / "robustness.md").read_bytes() == report
   with pytest.raises(SystemExit, match="--robustness fixes"):
     cifar_cli.main(["--robustness", "--quick", "--arms", "adamw"])
+
+
+def test_a_worker_done_with_its_share_takes_the_others_unstarted_runs(
+    tmp_path):
+  """sweep.run with --worker: its own share first, then the other worker's
+  runs last first, skipping the one that worker is training (its claim),
+  never a run twice; its claims are gone when it stops."""
+  from benchmarks import harness, sweep as sweep_lib
+  s = sweep_lib.Sweep(arms=("adamw", "stiefel"), grid=(1e-3, 1e-2, 0.1),
+                      extension=(), ratios={}, seeds=(100, 101))
+  name = lambda t: f"{t[0]}_{t[1]:g}_{t[2]}"
+  store, trained = harness.RunStore(tmp_path), []
+
+  def execute(task):
+    assert sweep_lib.Claims(store.dir, "x").path(name(task)).read_text() \
+        == "0/2"
+    cfg = {"arm": task[0], "eta": task[1], "seed": task[2]}
+    rec = dict(name=name(task), config=cfg, data="d", final={"loss": 1.0},
+               identity=harness.run_identity(cfg, "d"))
+    store.save(name(task), rec)
+    trained.append(task)
+    return rec
+
+  planned = sweep_lib.tasks(s, {}, name)
+  mine = sweep_lib.worker_share("0/2")
+  theirs = [t for t in planned if not mine(name(t))]
+  assert theirs and len(theirs) < len(planned)
+  busy = theirs[0]                      # being trained by worker 1/2
+  sweep_lib.Claims(store.dir, "1/2").take(name(busy))
+  n = sweep_lib.run(s, tmp_path, name, execute, describe=lambda t, r: "",
+                    expected_s=lambda t: None, desc="x", worker="0/2",
+                    log=lambda *a: None)
+  own = [t for t in planned if mine(name(t))]
+  assert trained == own + [t for t in reversed(theirs) if t != busy]
+  assert n == len(planned) - 1
+  assert {p.name for p in store.dir.glob("*.claim")} == {
+      f"{name(busy)}.claim"}
