@@ -458,8 +458,19 @@ def read_notes(path: os.PathLike) -> str:
 
 
 def replace_section(text: str, heading: str, body: str) -> str:
-  """Replaces the '## ' section starting at `heading` (up to the next '## '
-  heading) by body, or appends body; other sections are left untouched."""
+  r"""Replaces the '## ' section starting at `heading` (up to the next '## '
+  heading) by body, or appends body; other sections are left untouched.
+  The body is one section: a second '## ' heading in it would end the
+  section there, and the next rewrite would keep its rest twice.
+
+  >>> replace_section("# R\n\n## A\nold\n## B\nb\n", "## A", "## A\nnew")
+  '# R\n\n## A\nnew\n\n## B\nb\n'
+  """
+  inner = [l for l in body.splitlines()[1:] if l.startswith("## ")]
+  if inner:
+    raise ValueError(f"the section {heading!r} holds another '## ' heading,"
+                     f" {inner[0]!r}: make it '### ' so that the section is"
+                     " rewritten whole.")
   lines = text.splitlines(keepends=True)
   start = next((i for i, l in enumerate(lines) if l.strip() == heading), None)
   body = body.rstrip("\n") + "\n"

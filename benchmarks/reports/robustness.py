@@ -230,7 +230,7 @@ def claim_lines(claims: Mapping, arms: Sequence[str],
   """Both claims tables on discovery and confirmation seeds, and the
   findings by the claims policy."""
   plan = claims["plan"]
-  out = ["## Claims (the plan's tables (a) and (b))", "",
+  out = ["### Claims (the plan's tables (a) and (b))", "",
          "Best sweep points (tuning seeds): " + ", ".join(
              f"{a} {fmt_eta(e)}" for a, e in plan["best"].items())
          + f"; the high rate: eta {fmt_eta(plan['high'])}. Loss: the"
@@ -241,7 +241,7 @@ def claim_lines(claims: Mapping, arms: Sequence[str],
     tables = {st: claim_rows(claims[st], plan, which, arms,
                              loss_key=loss_key)
               for st in ("discovery", "confirmation")}
-    out += [f"### {title}", ""]
+    out += [f"#### {title}", ""]
     for st, rows in tables.items():
       out += [f"{st.capitalize()} seeds:", ""]
       out += (harness.comparison_lines(rows, "loss", digits=4)

@@ -61,8 +61,8 @@ def test_quick_sweep_runs_diverges_resumes_and_reports(tmp_path, capsys):
   stage = lambda n: (lambda s: 0 if s == 100 else 1 if s < 500 else 2)(
       int(n.split("_seed")[1].split("_")[0]))
   assert [stage(n) for n in order] == sorted(stage(n) for n in order)
-  assert "### (a) each arm at its own best" in rep["markdown"]
-  assert "### (b) each arm against AdamW at the high rate" in rep["markdown"]
+  assert "#### (a) each arm at its own best" in rep["markdown"]
+  assert "#### (b) each arm against AdamW at the high rate" in rep["markdown"]
   assert "Findings: " in rep["markdown"]
   assert not list((out / "runs").glob("*.npz"))
   by = {(r["arm"], r["config"]["learning_rate"]): r for r in recs}
@@ -96,9 +96,10 @@ def test_quick_sweep_runs_diverges_resumes_and_reports(tmp_path, capsys):
   lm.cli.main(["--robustness", "--quick", "--out", str(out), "--quiet",
                *data])
   lm.cli.main(["--robustness", "--quick", "--report-only", "--out",
-               str(out), "--quiet"])
+               str(out), "--quiet", "--results-md", str(md)])
   after = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
   assert after == before
+  assert md.read_text() == text   # the section rewritten whole, once
   with pytest.raises(SystemExit, match="--robustness fixes"):
     lm.cli.main(["--robustness", "--quick", "--arms", "adamw"])
 
