@@ -223,6 +223,20 @@ def max_deviation(ours: dict, theirs: dict, tol: float) -> float:
   return worst
 
 
+def train_beside_adamw(step, model, opt_state, ref_state, steps: int,
+                       non_frame_leaves, loss_fn, tol: float = 1e-6):
+  """Trains `model` and its AdamW twin (the same start) for `steps` calls
+  of step(model, opt_state, ref, ref_state) -> the four again; returns
+  (model, [loss before, loss after], the worst `max_deviation` of the
+  non-frame leaves from the twin's, each step's asserted <= tol)."""
+  ref, losses, worst = model, [float(loss_fn(model))], 0.0
+  for _ in range(steps):
+    model, opt_state, ref, ref_state = step(model, opt_state, ref, ref_state)
+    worst = max(worst, max_deviation(non_frame_leaves(model),
+                                     non_frame_leaves(ref), tol))
+  return model, losses + [float(loss_fn(model))], worst
+
+
 class TestCase(chex.TestCase):
   """chex.TestCase with the `certificate` fixture as `self.certificate`."""
 

@@ -32,7 +32,7 @@ import pytest
 import stiefel_optax as so
 from stiefel_optax import views
 
-from tests.helpers import max_deviation, plain_isometry
+from tests.helpers import plain_isometry, train_beside_adamw
 
 D, QK, VOCAB, T = 32, 8, 24, 6
 HEADS = (4, 2)                    # per block: query/key weights (32|16, 32)
@@ -170,13 +170,8 @@ def test_training_keeps_frames_orthonormal_and_the_rest_adamw(certificate):
             eqx.apply_updates(ref, ref_updates), ref_state)
 
   start = model
-  losses = [float(loss_fn(model))]
-  worst = 0.0
-  for _ in range(STEPS):
-    model, opt_state, ref, ref_state = step(model, opt_state, ref, ref_state)
-    worst = max(worst, max_deviation(non_frame_leaves(model),
-                                     non_frame_leaves(ref), 1e-6))
-  losses.append(float(loss_fn(model)))
+  model, losses, worst = train_beside_adamw(
+      step, model, opt_state, ref_state, STEPS, non_frame_leaves, loss_fn)
   certificate("equinox: deviation from adamw", worst)
   iso = certificate("equinox: isometry after 20 steps",
                     plain_isometry(plain_frames(model)))

@@ -27,7 +27,7 @@ import pytest
 import stiefel_optax as so
 from stiefel_optax import views
 
-from tests.helpers import max_deviation, plain_isometry
+from tests.helpers import plain_isometry, train_beside_adamw
 
 D, KEY_SIZE, VOCAB, T = 32, 8, 24, 6
 HEADS = {"attn_0": 4, "attn_1": 2}
@@ -134,16 +134,10 @@ def test_training_keeps_frames_orthonormal_and_the_rest_adamw(certificate):
     return (optax.apply_updates(params, updates), opt_state,
             optax.apply_updates(ref, ref_updates), ref_state)
 
-  start, ref = params, params
-  opt_state, ref_state = tx.init(params), ref_tx.init(params)
-  losses = [float(loss_fn(params))]
-  worst = 0.0
-  for _ in range(STEPS):
-    params, opt_state, ref, ref_state = step(params, opt_state, ref,
-                                             ref_state)
-    worst = max(worst, max_deviation(non_frame_leaves(params),
-                                     non_frame_leaves(ref), 1e-6))
-  losses.append(float(loss_fn(params)))
+  start = params
+  params, losses, worst = train_beside_adamw(
+      step, params, tx.init(params), ref_tx.init(params), STEPS,
+      non_frame_leaves, loss_fn)
   certificate("haiku: deviation from adamw", worst)
   iso = certificate("haiku: isometry after 20 steps",
                     plain_isometry(plain_frames(params)))
