@@ -260,6 +260,14 @@ class RunStore:
     return [json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))]
 
 
+def recorded_data(folder: os.PathLike) -> Optional[str]:
+  """The data id that every saved run in folder records, if they agree
+  (None without runs or with several ids): what a report of them reads
+  without the data at hand."""
+  ids = {r.get("data") for r in RunStore(folder).records()}
+  return ids.pop() if len(ids) == 1 else None
+
+
 def finished_runs(records: Iterable[dict], current_version: bool) -> dict:
   """{name: record} of the finished runs (those with their `final`
   results) whose identity checks: under this library's numerics version

@@ -142,10 +142,15 @@ def main_robustness(args, argv) -> dict:
                      f" drop {', '.join(fixed)}.")
   name = "quick" if args.quick else "full"
   sweep = robustness.SWEEPS[name]
-  data = (cifar_data.synthetic(448, sweep.base.val_size) if args.quick else
-          cifar_data.load_cifar10(args.data, download_missing=args.download))
   out = args.out or harness.default_out(
       "cifar_robustness" + "_quick" * args.quick)
+  # --report-only reads the data id its runs record (no data needed).
+  data_id = harness.recorded_data(out) if args.report_only else None
+  if data_id is None:
+    data = (cifar_data.synthetic(448, sweep.base.val_size) if args.quick
+            else cifar_data.load_cifar10(args.data,
+                                         download_missing=args.download))
+    data_id = data.source
   if not args.report_only:
     robustness.run_robustness(
         sweep, Trainer(data, sweep.base), out,
@@ -154,7 +159,7 @@ def main_robustness(args, argv) -> dict:
         worker=args.worker)
     if args.dry_run:
       return {}
-  rep = robustness.robustness_report(out, name, data.source, args.results_md)
+  rep = robustness.robustness_report(out, name, data_id, args.results_md)
   if args.results_md:
     harness.write_section(args.results_md, robustness.SECTION,
                           rep["section"])

@@ -280,3 +280,22 @@ def test_a_worker_done_with_its_share_takes_the_others_unstarted_runs(
   assert n == len(planned) - 1
   assert {p.name for p in store.dir.glob("*.claim")} == {
       f"{name(busy)}.claim"}
+
+
+@pytest.mark.parametrize("bench", ["lm", "cifar_patches"])
+def test_committed_sweep_reports_regenerate_without_the_data(bench,
+                                                              tmp_path):
+  """The committed robustness reports come back byte for byte from their
+  raw runs with --report-only, with no data at hand (the runs' recorded
+  data id is read)."""
+  import shutil
+  from benchmarks import harness
+  from benchmarks.cifar_patches import cli as cifar_cli
+  folder = {"lm": "lm_robustness", "cifar_patches": "cifar_robustness"}[bench]
+  src, out = harness.REFERENCE_ROOT / folder, tmp_path / folder
+  shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.npz", "*.claim"))
+  main = {"lm": lm.cli.main, "cifar_patches": cifar_cli.main}[bench]
+  main(["--robustness", "--report-only", "--out", str(out), "--data",
+        str(tmp_path / "absent")] + (["--quiet"] if bench == "lm" else []))
+  for f in sorted(src.glob("robustness*")):
+    assert (out / f.name).read_bytes() == f.read_bytes(), f.name
