@@ -260,12 +260,13 @@ class RunStore:
     return [json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))]
 
 
-def recorded_data(folder: os.PathLike) -> Optional[str]:
-  """The data id that every saved run in folder records, if they agree
-  (None without runs or with several ids): what a report of them reads
-  without the data at hand."""
-  ids = {r.get("data") for r in RunStore(folder).records()}
-  return ids.pop() if len(ids) == 1 else None
+def recorded_data(records: Iterable[dict],
+                  preferred: Optional[str] = None) -> Optional[str]:
+  """The data id a report of these runs is about, read from what they
+  record (no data at hand): `preferred` (the published data) if any run
+  used it, else the first (sorted) that a run used; None without runs."""
+  ids = sorted({r["data"] for r in records})
+  return preferred if preferred in ids else (ids[0] if ids else None)
 
 
 def finished_runs(records: Iterable[dict], current_version: bool) -> dict:

@@ -223,12 +223,12 @@ def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
   plan = plan or (lambda done: remaining(sweep, done, name))
   done: dict = {}     # read from `out` by every left()
 
-  def share() -> list:
+  def planned() -> list:
     done.update(harness.finished_runs(store.records(), current_version=True))
-    return [t for t in plan(done) if mine(name(t))]
+    return plan(done)
 
   if dry_run:
-    todo = share()
+    todo = [t for t in planned() if mine(name(t))]
     known = [s for s in map(expected_s, todo) if s is not None]
     log(f"{len(todo)} runs planned left"
         + (" (the grid may still extend)" if sweep.extension else "")
@@ -242,12 +242,13 @@ def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
   def left() -> list:
     """The share's unclaimed runs, else the others' last first; the first
     of them claimed for this worker (the one run_tasks trains next)."""
+    todo = planned()
     if claims is None:
-      return share()
-    own, held = share(), claims.held()
-    todo = [t for t in own if name(t) not in held] or [
-        t for t in reversed(plan(done))
-        if name(t) not in held and not mine(name(t))]
+      return [t for t in todo if mine(name(t))]
+    held = claims.held()
+    free = [t for t in todo if name(t) not in held]
+    todo = [t for t in free if mine(name(t))] or [
+        t for t in reversed(free) if not mine(name(t))]
     for i, t in enumerate(todo):
       if claims.take(name(t)):
         return todo[i:]

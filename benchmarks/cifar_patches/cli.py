@@ -144,14 +144,12 @@ def main_robustness(args, argv) -> dict:
   sweep = robustness.SWEEPS[name]
   out = args.out or harness.default_out(
       "cifar_robustness" + "_quick" * args.quick)
-  # --report-only reads the data id its runs record (no data needed).
-  data_id = harness.recorded_data(out) if args.report_only else None
-  if data_id is None:
+  data_id = None      # --report-only: the one its runs record
+  if not args.report_only:
     data = (cifar_data.synthetic(448, sweep.base.val_size) if args.quick
             else cifar_data.load_cifar10(args.data,
                                          download_missing=args.download))
     data_id = data.source
-  if not args.report_only:
     robustness.run_robustness(
         sweep, Trainer(data, sweep.base), out,
         command=harness.command_line("benchmarks.cifar_patches", argv or []),

@@ -188,13 +188,16 @@ def run_robustness(sweep: Sweep, trainer: Trainer, out: pathlib.Path, *,
       worker=worker, time_budget=time_budget, log=log, dry_run=dry_run)
 
 
-def robustness_report(out: pathlib.Path, name: str, data_id: str,
+def robustness_report(out: pathlib.Path, name: str,
+                      data_id: Optional[str] = None,
                       results_md: Optional[pathlib.Path] = None) -> dict:
   """`benchmarks.reports.robustness.report` of out's runs of the sweep on
-  the data `data_id` (its plots linked from results_md's folder)."""
+  the data `data_id` (None: the data the runs record,
+  `harness.recorded_data`; its plots linked from results_md's folder)."""
   sweep = SWEEPS[name]
   done = harness.finished_runs(harness.RunStore(out).records(),
                                current_version=False)
+  data_id = data_id or harness.recorded_data(done.values()) or ""
   name_of = names(sweep, data_id)
   m = sweep.base.model
   return report_lib.report(

@@ -197,9 +197,8 @@ REPORT = report_lib.Experiment(
 def study_data(records) -> str:
   """The corpus a study's report is about: the published one if any run
   used it, else the first (sorted) that a run used."""
-  ids = sorted({r["data"] for r in records})
   ref = f"tinyshakespeare:md5={CORPUS_MD5}"
-  return ref if ref in ids or not ids else ids[0]
+  return harness.recorded_data(records, ref) or ref
 
 
 def study_state(study: Study, done: Mapping, data_id: str) -> dict:
