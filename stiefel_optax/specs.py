@@ -7,14 +7,19 @@ A *selector* maps a whole parameter tree to one spec (or None, Euclidean) per
 leaf; it is one of
 
 * a preset name: ``"flax"``, ``"gemma"``, ``"maxtext"``, ``"equinox"``
-  (reads each ``eqx.nn.MultiheadAttention``'s head count from the module), or
-  ``"auto"`` (the default, ``None``), which recognises the presets by paths
-  and shapes (and Equinox modules);
+  (reads each ``eqx.nn.MultiheadAttention``'s head count from the module),
+  ``"haliax"`` (Levanter's ``q_proj``/``k_proj`` ``haliax.nn.Linear``s, by
+  their axis names), ``"penzai"`` (penzai's query/key Parameters, by label
+  and axis names), or ``"auto"`` (the default, ``None``), which recognises
+  all of them by paths and shapes, module types and axis names;
 * ``haiku_mha(num_heads)``, a mapping for ``hk.MultiHeadAttention``;
 * a mapping ``{path_regex: FrameSpec | None}`` (regexes searched in the
   '/'-joined path; every entry must match a leaf);
 * a callable ``(path, leaf) -> FrameSpec | None``;
 * one `FrameSpec` for every leaf (trees that hold only frames).
+
+A `FrameSpec` gives its axes by position, or by name for leaves that carry
+names (Haliax, penzai): FrameSpec(rows="embed", cols="head_size").
 
 The selector drives everything that touches frames: the partition of
 `stiefel_attention`, the frame views, `orthonormalize` and the diagnostics
@@ -33,11 +38,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-Axes = Union[int, Sequence[int]]
+Axes = Union[int, str, Sequence[int], Sequence[str]]
 
 
-def _as_axes(axes: Axes) -> Tuple[int, ...]:
-  return (axes,) if isinstance(axes, int) else tuple(axes)
+def _as_axes(axes: Axes) -> Tuple[Union[int, str], ...]:
+  return (axes,) if isinstance(axes, (int, str)) else tuple(axes)
+
+
+def _is_name(axis) -> bool:
+  return isinstance(axis, str)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +70,20 @@ class FrameSpec:
   Every other axis is a batch of frames. Axes count on the whole leaf, so a
   spec reads like the leaf's shape.
 
+  Axes may instead be *names* (str), for leaves that carry their axes' names
+  (Haliax's NamedArray, penzai's NamedArray): FrameSpec(rows="embed",
+  cols="head_size") fits Haliax's (embed, heads, head_size) and Levanter's
+  (layers, kv_heads, q_heads_per_group, head_size, embed) alike, every axis
+  not named being a batch axis. A named spec is `resolve`d against each
+  leaf's names (`frame_specs` does it), giving the positional spec that the
+  views, the step and `state_shardings` use. A spec names all its axes or
+  none.
+
   Raises:
     ValueError: at construction, for a spec with no row or column axis, a
       `heads` or `parts` that is not a positive int, `take` or `part_axis`
-      without `parts`, or a `take` that does not list distinct parts in
-      increasing order.
+      without `parts`, a `take` that does not list distinct parts in
+      increasing order, or a spec that mixes names and positions.
 
   Example:
     >>> from stiefel_optax import FrameSpec
@@ -77,6 +95,9 @@ class FrameSpec:
     >>> FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=4).frame_shape(
     ...     (64, 192))                                      # nanoGPT c_attn
     (2, 4, 64, 16)
+    >>> FrameSpec(rows="embed", cols="head_size").resolve(   # Levanter q_proj
+    ...     ("layers", "kv_heads", "q_heads_per_group", "head_size", "embed"))
+    FrameSpec(rows=4, cols=3)
   """
   rows: Axes = -2
   cols: Axes = -1
@@ -92,6 +113,16 @@ class FrameSpec:
     if not self.rows or not self.cols:
       raise ValueError(f"{self}: a frame needs at least one row and one"
                        " column axis.")
+    axes = self.rows + self.cols + (
+        () if self.part_axis is None else (self.part_axis,))
+    if any(not isinstance(a, (int, str)) or isinstance(a, bool)
+           for a in axes):
+      raise ValueError(f"{self}: axes must be ints (positions) or strs"
+                       " (names).")
+    if len({_is_name(a) for a in axes}) > 1:
+      raise ValueError(
+          f"{self}: mixes axis names and positions; name every axis (for"
+          " leaves that carry names) or give every axis by position.")
     if self.heads is not None and not (isinstance(self.heads, int)
                                        and self.heads >= 1):
       raise ValueError(f"{self}: heads must be a positive int.")
@@ -108,6 +139,56 @@ class FrameSpec:
             f"{self}: take must list distinct parts in increasing order,"
             f" each in [0, {self.parts}).")
 
+  @property
+  def named(self) -> bool:
+    """Whether the spec names its axes (str) instead of giving positions."""
+    return _is_name(self.rows[0])
+
+  def resolve(self, names: Sequence[Optional[str]],
+              name: str = "leaf") -> "FrameSpec":
+    """The positional spec of a named spec on a leaf whose axes are `names`.
+
+    Each named axis is the position of its name; every axis not named
+    (including unnamed, positional axes, given as None) is a batch axis.
+    A positional spec is returned as is.
+
+    Args:
+      names: the leaf's axis names in its data order (None for an axis
+        without a name).
+      name: the leaf's name in error messages.
+
+    Returns:
+      A FrameSpec of positions, the same heads and parts.
+
+    Raises:
+      ValueError: naming `name` and its axes, when a named axis is not among
+        `names` or is there twice.
+
+    Example:
+      >>> from stiefel_optax import FrameSpec
+      >>> FrameSpec(rows="embedding", cols="projection").resolve(
+      ...     ("embedding", "heads", "projection"))               # penzai
+      FrameSpec(rows=0, cols=2)
+    """
+    if not self.named:
+      return self
+    names = tuple(names)
+
+    def pos(axis):
+      hits = [i for i, n in enumerate(names) if n == axis]
+      if len(hits) != 1:
+        raise ValueError(
+            f"{name}: {self} names axis {axis!r}, but the leaf's axes are"
+            f" {names}{'' if hits else ' (no such name)'}. Pass a FrameSpec"
+            " that names the leaf's own row axis (the model width) and"
+            " column axis (the head dimension), each once.")
+      return hits[0]
+
+    return dataclasses.replace(
+        self, rows=tuple(pos(a) for a in self.rows),
+        cols=tuple(pos(a) for a in self.cols),
+        part_axis=None if self.part_axis is None else pos(self.part_axis))
+
   def __repr__(self):
     fields = [f"rows={_fmt(self.rows)}", f"cols={_fmt(self.cols)}"]
     for name in ("heads", "parts"):
@@ -116,7 +197,7 @@ class FrameSpec:
     if self.take:
       fields.append(f"take={self.take}")
     if self.part_axis is not None:
-      fields.append(f"part_axis={self.part_axis}")
+      fields.append(f"part_axis={self.part_axis!r}")
     return f"FrameSpec({', '.join(fields)})"
 
   def axes(self, ndim: int, name: str = "leaf"):
@@ -131,8 +212,14 @@ class FrameSpec:
       part axis (None without parts).
 
     Raises:
-      ValueError: naming `name`, for an axis out of range or used twice.
+      ValueError: naming `name`, for an axis out of range or used twice, or
+        a named spec (`resolve` it against the leaf's names first).
     """
+    if self.named:
+      raise ValueError(
+          f"{name}: {self} names its axes; resolve it against the leaf's axis"
+          " names first (spec.resolve(names)); frame_specs does that for"
+          " leaves that carry names (Haliax, penzai).")
     def norm(axes):
       for a in axes:
         if not -ndim <= a < ndim:
@@ -207,7 +294,7 @@ class FrameSpec:
 
 
 def _fmt(axes):
-  return axes[0] if len(axes) == 1 else axes
+  return repr(axes[0]) if len(axes) == 1 else repr(axes)
 
 
 # --------------------------------------------------------------------------
@@ -218,7 +305,9 @@ def path_str(path) -> str:
   """The '/'-joined path of a leaf, as selectors and diagnostics name it.
 
   nnx's trailing 'value' is dropped, so that an `nnx.State` of Variables and
-  its pure dict have the same paths.
+  its pure dict have the same paths; so is the trailing index 0 of a node
+  registered without keys (the array inside Haliax's NamedArray), so that a
+  Haliax weight is 'q_proj/weight', not 'q_proj/weight/0'.
 
   Args:
     path: a jax key path (`jax.tree_util.tree_leaves_with_path`).
@@ -234,6 +323,9 @@ def path_str(path) -> str:
   """
   if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
       path[-1].name == "value") and len(path) > 1:
+    path = path[:-1]
+  elif path and isinstance(path[-1], jax.tree_util.FlattenedIndexKey) and (
+      path[-1].key == 0) and len(path) > 1:
     path = path[:-1]
   return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
@@ -499,21 +591,224 @@ def _equinox(params):
   return _equinox_leaf(specs)
 
 
+# --------------------------------------------------------------------------
+# Named axes: Haliax (Levanter) and penzai carry a name on every axis, so
+# their frames are found by module type and axis names. Neither library is
+# ever imported here: without it a tree holds none of its arrays.
+
+# Levanter's attention: q_proj / k_proj are `haliax.nn.Linear`s from the
+# model width (their `In`) to (kv_heads, q_heads_per_group, head_size) or
+# (kv_heads, head_size); under `Stacked` a leading `layers` axis.
+HALIAX_QK = ("q_proj", "k_proj")
+HALIAX_HEAD = "head_size"
+# penzai's attention (`pz.nn.Attention` of the llama-like models): the query
+# and key `pz.nn.Linear`s' Parameters are labelled '{name}/query.weights' and
+# '{name}/key.weights', axes 'embedding', the heads ('heads'; GQA:
+# 'head_groups', 'query_heads'), 'projection'; a `LayerStack` adds its axis.
+PENZAI_QK = r"(^|/)(query|key)\.weights$"
+PENZAI = FrameSpec(rows="embedding", cols="projection")
+
+
+def _module(name):
+  return sys.modules.get(name)
+
+
+def _is_named_array(x) -> bool:
+  hax_core, pz_axes = _module("haliax.core"), _module("penzai.core.named_axes")
+  return ((hax_core is not None and isinstance(x, hax_core.NamedArray)) or
+          (pz_axes is not None and isinstance(x, pz_axes.NamedArrayBase)))
+
+
+def _data_names(x) -> tuple:
+  """A named array's axis names in the order of its data (None: an axis
+  without a name, e.g. penzai's positional axes)."""
+  if hasattr(x, "axes"):                                    # Haliax
+    return tuple(a.name for a in x.axes)
+  ndim = len(x.data_array.shape)
+  if hasattr(x, "data_axis_for_name"):                      # penzai view
+    names = [None] * ndim
+    for n, i in x.data_axis_for_name.items():
+      names[i] = n
+    return tuple(names)
+  named = tuple(x.named_axes)                               # penzai
+  return (None,) * (ndim - len(named)) + named
+
+
+def axis_names(params) -> dict:
+  """The axis names of every leaf of `params` that carries them.
+
+  Haliax's `NamedArray` and penzai's `NamedArray` / `NamedArrayView` name
+  their axes; a named `FrameSpec` is resolved against these names.
+
+  Args:
+    params: a parameter tree.
+
+  Returns:
+    {path: names}, one name (or None, an unnamed axis) per axis of the
+    array leaf at `path` (`path_str`), in its data order; {} for a tree
+    without named arrays.
+
+  Example:
+    >>> import jax, haliax as hax, stiefel_optax as so
+    >>> w = hax.zeros((hax.Axis("embed", 8), hax.Axis("head_size", 4)))
+    >>> so.specs.axis_names({"q_proj": {"weight": w}})
+    {'q_proj/weight': ('embed', 'head_size')}
+  """
+  if _module("haliax.core") is None and _module(
+      "penzai.core.named_axes") is None:
+    return {}
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=_is_named_array)[0]:
+    if _is_named_array(x):
+      names = _data_names(x)
+      for sub, _ in jax.tree_util.tree_leaves_with_path(x):
+        out[path_str(tuple(path) + tuple(sub))] = names
+  return out
+
+
+def _axis_spec_names(spec) -> tuple:
+  """The names of a Haliax AxisSpec (an Axis, a name, or a sequence)."""
+  if isinstance(spec, str) or hasattr(spec, "name"):
+    spec = (spec,)
+  return tuple(a if isinstance(a, str) else a.name for a in spec)
+
+
+def _haliax_specs(params) -> dict:
+  """{weight path: named spec, or the message of a layout that does not
+  fit} of every Levanter-style `q_proj` / `k_proj` `haliax.nn.Linear`:
+  rows its `In` axes (what it contracts), columns its 'head_size' axis,
+  every other axis (heads, groups, layers) a batch axis."""
+  linear = _module("haliax.nn.linear")
+  if linear is None:
+    return {}
+  is_linear = lambda x: isinstance(x, linear.Linear)
+  out = {}
+  for path, module in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=is_linear)[0]:
+    if not (is_linear(module) and path and isinstance(
+        path[-1], jax.tree_util.GetAttrKey) and path[-1].name in HALIAX_QK):
+      continue
+    where = path_str(tuple(path) + (jax.tree_util.GetAttrKey("weight"),))
+    rows, cols = _axis_spec_names(module.In), _axis_spec_names(module.Out)
+    if HALIAX_HEAD in cols and HALIAX_HEAD not in rows:
+      out[where] = FrameSpec(rows=rows, cols=HALIAX_HEAD)
+    else:
+      out[where] = (
+          f"{where}: a haliax.nn.Linear named {path[-1].name} (Levanter's"
+          f" attention projection) from {rows} to {cols}, with no"
+          f" {HALIAX_HEAD!r} output axis to take as the frames' columns."
+          f" Pass frames={{{where!r}: FrameSpec(rows={rows[0]!r},"
+          " cols=<the head dimension's axis name>)}, or Euclidean: None.")
+  return out
+
+
+def _penzai_value_type(name):
+  variables = _module("penzai.core.variables")
+  return None if variables is None else getattr(variables, name)
+
+
+def _penzai_specs(params) -> dict:
+  """{array path: named spec, or the message of a leaf that does not fit}
+  of every penzai query/key weight Parameter (by label); penzai Parameters
+  (mutable variables, not arrays) get the message of the fix."""
+  value_t, var_t = (_penzai_value_type("ParameterValue"),
+                    _penzai_value_type("AbstractVariable"))
+  if value_t is None:
+    return {}
+  is_param = lambda x: isinstance(x, (value_t, var_t))
+  out = {}
+  for path, p in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=is_param)[0]:
+    if isinstance(p, var_t):
+      where = path_str(path)
+      out[where] = (
+          f"{where}: a penzai {type(p).__name__} (label {p.label!r}), a"
+          " mutable variable, not an array. The optimizer takes the"
+          " parameters' values, as penzai's StatefulTrainer passes them:"
+          " `_, params = pz.unbind_params(model)`, then"
+          " pz.freeze_params(params) (a tuple of ParameterValues).")
+      continue
+    if not (is_param(p) and re.search(PENZAI_QK, str(p.label))):
+      continue
+    value = p.value
+    leaves = jax.tree_util.tree_leaves_with_path(value)
+    names = _data_names(value) if _is_named_array(value) else ()
+    for sub, _ in leaves:
+      where = path_str(tuple(path) + (jax.tree_util.GetAttrKey("value"),)
+                       + tuple(sub))
+      if {"embedding", "projection"} <= set(names):
+        out[where] = PENZAI
+      else:
+        out[where] = (
+            f"{where}: penzai Parameter {p.label!r} (an attention"
+            f" projection) has axes {names or 'without names'}, not"
+            " 'embedding' and 'projection'. Pass frames={"
+            f"{where!r}: FrameSpec(rows=<its input axis>, cols=<its head"
+            " dimension>)} (names or positions), or Euclidean: None.")
+  return out
+
+
+def _named_leaf(specs: dict):
+  """(path, leaf) -> the named spec of `specs` at path (raising its message
+  for a layout that does not fit), else None."""
+  def select(path, leaf):
+    spec = specs.get(path)
+    if isinstance(spec, str):
+      raise _Undecided(spec)
+    return spec
+  return select
+
+
+def _named_preset(name, find, what, fix):
+  @_reads_tree
+  def preset(params):
+    specs = find(params)
+    if not specs:
+      items = jax.tree_util.tree_leaves_with_path(params)
+      seen = ", ".join(f"{path_str(p)} {tuple(getattr(x, 'shape', ()))}"
+                       for p, x in items[:6]) or "(no leaves)"
+      raise ValueError(
+          f"frames={name!r}: params holds no {what} (leaves: {seen}"
+          f"{' ...' if len(items) > 6 else ''}). {fix}")
+    return _named_leaf(specs)
+  return preset
+
+
+_haliax = _named_preset(
+    "haliax", _haliax_specs, "haliax.nn.Linear named q_proj or k_proj",
+    "The preset reads the modules and their axis names: pass the model (or"
+    " eqx.filter(model, eqx.is_inexact_array)), not a dict of its arrays; for"
+    " other names pass frames={path_regex: FrameSpec(rows='embed',"
+    " cols='head_size')}.")
+_penzai = _named_preset(
+    "penzai", _penzai_specs, "penzai query/key weight ParameterValue (labels"
+    " ending in '/query.weights' or '/key.weights')",
+    "Pass the ParameterValues the optimizer gets (StatefulTrainer's:"
+    " pz.freeze_params(pz.unbind_params(model)[1])); for other labels pass"
+    " frames={path_regex: FrameSpec(rows='embedding', cols='projection')}.")
+
+
 @_reads_tree
 def _auto_tree(params):
-  """`_auto`, and the query/key weights of Equinox MHA modules; leaves that
-  are no arrays (an Equinox model's floats, bools, functions) are not
-  frames."""
+  """`_auto`, and the query/key weights of Equinox MHA modules, Levanter's
+  Haliax q_proj/k_proj and penzai's query/key Parameters; leaves that are
+  no arrays (an Equinox model's floats, bools, functions) are not frames,
+  except a penzai Parameter, which is an error naming the fix."""
   eqx_leaf = _equinox_leaf(equinox_specs(params))
-  return lambda path, leaf: None if not hasattr(leaf, "ndim") else (
-      eqx_leaf(path, leaf) or _auto(path, leaf))
+  named = _named_leaf({**_haliax_specs(params), **_penzai_specs(params)})
+  return lambda path, leaf: named(path, leaf) or (
+      None if not hasattr(leaf, "ndim") else (
+          eqx_leaf(path, leaf) or _auto(path, leaf)))
 
 
 #: The names of the preset selectors, each a ``frames=`` value: ``"auto"``
-#: (the default, ``frames=None``) recognises the others by path and shape.
-FRAME_PRESETS = ("auto", "equinox", "flax", "gemma", "maxtext")
-_PRESETS = dict(zip(FRAME_PRESETS,
-                    (_auto_tree, _equinox, _flax, _gemma, _maxtext)))
+#: (the default, ``frames=None``) recognises the others by path, shape,
+#: module type and axis names.
+FRAME_PRESETS = ("auto", "equinox", "flax", "gemma", "haliax", "maxtext",
+                 "penzai")
+_PRESETS = dict(zip(FRAME_PRESETS, (_auto_tree, _equinox, _flax, _gemma,
+                                    _haliax, _maxtext, _penzai)))
 
 Selector = Union[None, str, FrameSpec, Mapping[str, Optional[FrameSpec]],
                  Callable[[str, Any], Optional[FrameSpec]]]
@@ -523,6 +818,30 @@ Selector = Union[None, str, FrameSpec, Mapping[str, Optional[FrameSpec]],
 # Resolution: one spec (or None) per leaf, checked.
 
 
+def _resolve(spec, path, leaf, names):
+  """A named spec on `leaf` (whose axis names are `names`, None: none), as
+  positions."""
+  shape = tuple(leaf.shape)
+  if names is None:
+    raise ValueError(
+        f"{path}: shape {shape} is selected by {spec}, which names its axes,"
+        " but the leaf carries no axis names (a plain array). Pass the tree"
+        " of named arrays (a Haliax model, or eqx.filter(model,"
+        " eqx.is_inexact_array); penzai's ParameterValues) or a FrameSpec of"
+        " positions, e.g. FrameSpec(rows=0, cols=-1).")
+  if len(names) != len(shape):
+    raise ValueError(f"{path}: shape {shape} has axis names {names} of"
+                     " another rank; the tree's named arrays are malformed.")
+  return spec.resolve(names, f"{path} (shape {shape})")
+
+
+def _describe(leaf) -> str:
+  """What a leaf that is no array is, for error messages."""
+  kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+  label = getattr(leaf, "label", None)
+  return f"a {kind}" + (f" (label {label!r})" if label is not None else "")
+
+
 def _check_spec(spec, path, leaf):
   if spec is None:
     return None
@@ -530,6 +849,13 @@ def _check_spec(spec, path, leaf):
     raise ValueError(
         f"{path}: the frame selector returned {spec!r}; expected a FrameSpec"
         " or None (Euclidean).")
+  if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+    raise ValueError(
+        f"{path}: {_describe(leaf)}, not an array, is selected as frames by"
+        f" {spec}. Pass the tree of arrays the optimizer updates (Equinox:"
+        " eqx.filter(model, eqx.is_inexact_array); penzai: the"
+        " ParameterValues of pz.freeze_params(pz.unbind_params(model)[1]),"
+        " as its StatefulTrainer does).")
   shape = tuple(getattr(leaf, "shape", ()))
   dtype = getattr(leaf, "dtype", None)
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
@@ -611,7 +937,8 @@ def frame_specs(params, frames: Selector = None) -> list:
   """Resolves a frame selector on a parameter tree: one spec per leaf.
 
   The selector is a preset name ("auto", the default, "equinox", "flax",
-  "gemma", "maxtext"), a `FrameSpec` for every leaf, a mapping
+  "gemma", "haliax", "maxtext", "penzai"), a `FrameSpec` for every leaf
+  (a named one is resolved against each leaf's axis names), a mapping
   {path_regex: FrameSpec | None} (regexes searched in the '/'-joined path;
   every entry must match a leaf) or a callable (path, leaf) -> FrameSpec |
   None (see the module docstring).
@@ -622,7 +949,8 @@ def frame_specs(params, frames: Selector = None) -> list:
 
   Returns:
     [(path, leaf, FrameSpec | None)] for the leaves of `params` in
-    flattening order, every selected leaf checked.
+    flattening order, every selected leaf checked, every spec in positions
+    (a named spec resolved against the leaf's `axis_names`).
 
   Raises:
     ValueError: naming the path, the shape and a spec that fits, when a
@@ -651,12 +979,16 @@ def frame_specs(params, frames: Selector = None) -> list:
     dup = sorted({p for p in paths if paths.count(p) > 1})
     raise ValueError(f"params has several leaves with the same path {dup[:4]};"
                      " frame selection needs unique paths.")
-  out = []
+  out, names = [], None
   for path, leaf in items:
     try:
       spec = fn(path, leaf)
     except _Undecided as err:
       raise ValueError(str(err)) from None
+    if isinstance(spec, FrameSpec) and spec.named and hasattr(leaf, "shape"):
+      if names is None:
+        names = axis_names(params)
+      spec = _resolve(spec, path, leaf, names.get(path))
     out.append((path, leaf, _check_spec(spec, path, leaf)))
   for pattern, compiled in must_match.items():
     if not any(compiled.search(p) for p in paths):
