@@ -5,7 +5,9 @@ Built by tests/test_docs.py (warnings as errors) and by hand with
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 """
 
+import inspect
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.abspath(".."))
@@ -23,7 +25,18 @@ extensions = [
     "sphinx.ext.napoleon",
     # `-b doctest` runs the pages' and docstrings' examples.
     "sphinx.ext.doctest",
+    # The Markdown pages (families.md, benchmarks.md), CommonMark + MyST.
+    "myst_parser",
 ]
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+# `page.md#a-heading` links between the Markdown pages resolve (levels 1-3),
+# with GitHub's anchors, so the same links work on GitHub and in the site.
+myst_heading_anchors = 3
+# Their links to repository files outside docs/ (`../benchmarks/RESULTS.md`)
+# have no page in the site: they read as their text there (and stay links on
+# GitHub). Only those are exempt; a broken link between pages still fails.
+_REPO = os.path.abspath("..")
+nitpick_ignore_regex = [("myst", re.escape(_REPO) + r"/(?!docs/).+")]
 
 # Google-style docstrings (Args, Returns, Raises, References, Example), as
 # optax writes them.
@@ -49,3 +62,48 @@ exclude_patterns = ["_build"]
 html_theme = "alabaster"
 html_static_path = []
 html_theme_options = {"nosidebar": False}
+
+
+# Defaults as a user passes them. `autodoc_preserve_defaults` keeps the
+# source text of a default (`jnp.float32`, `DEFAULT_MSIGN_STEPS`), which for
+# `stiefel_attention` would be its sentinels (`_DefaultFloat(1e-4)`,
+# `_Default(None)`: they tell a default from the same value passed); those
+# print as their reprs, the plain values. And Sphinx prints an aliased
+# annotation inside a union as `TypeAliasForwardRef('optax.ScalarOrSchedule')`:
+# it reads as the alias's name.
+_SENTINELS = ("_DefaultFloat", "_Default")
+_SENTINEL_SOURCE = r"_Default(?:Float)?\((?:[^()]|\([^()]*\))*\)"
+_FORWARD_REF = re.compile(r"TypeAliasForwardRef\('([^']*)'\)")
+
+
+def _defaults(obj) -> dict:
+  """A function's own default values (`inspect.signature` would give the
+  source-text stand-ins that autodoc_preserve_defaults installs)."""
+  code = getattr(obj, "__code__", None)
+  if code is None:
+    return {}
+  positional = code.co_varnames[:code.co_argcount]
+  values = obj.__defaults__ or ()
+  out = dict(zip(positional[len(positional) - len(values):], values))
+  out.update(obj.__kwdefaults__ or {})
+  return out
+
+
+def _plain_signature(app, what, name, obj, options, signature,
+                     return_annotation):
+  del app, what, name, options
+  if signature is None:
+    return None
+  for pname, default in _defaults(obj).items():
+    if type(default).__name__ in _SENTINELS:
+      signature = re.sub(
+          rf"(\b{pname}\b[^,=]*=\s*){_SENTINEL_SOURCE}",
+          lambda m, d=default: m.group(1) + repr(d), signature)
+  signature = _FORWARD_REF.sub(r"\1", signature)
+  if return_annotation:
+    return_annotation = _FORWARD_REF.sub(r"\1", return_annotation)
+  return signature, return_annotation
+
+
+def setup(app):
+  app.connect("autodoc-process-signature", _plain_signature)

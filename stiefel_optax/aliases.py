@@ -55,7 +55,11 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
 
   Args:
     learning_rate: a float or an optax schedule.
-    b1, b2, eps: Adam's decay rates and denominator offset.
+    b1: decay rate of the first moment (the momentum, carried to the
+      current tangent space by projection).
+    b2: decay rate of the second moment, one scalar per frame.
+    eps: offset added to the denominator sqrt(v_hat); 0 gives the
+      scale-free step.
     max_step_norm: the trust-region radius delta (Frobenius, per frame);
       None disables the cap (ablation); may be injected (traced).
     retraction: "newton_schulz" (matmul only, default) or "eigh".
@@ -221,7 +225,8 @@ def one_pass_chain(
     m, scale, lead_states = lead(updates, state[:n], params)
     if scale is None:
       scale = jax.tree.map(
-          lambda w: jnp.ones(w.shape[:-2], geometry.compute_dtype(w.dtype)),
+          lambda w: jnp.ones(w.shape[:-2], geometry.compute_dtype(w.dtype),
+                             out_sharding=geometry.frame_scalar_sharding(w)),
           params)
     s, lr_state = links[n].update(scale, state[n])       # -lr scale
     s, norm = transforms.unzip(jax.tree.structure(updates),

@@ -123,10 +123,14 @@ def stiefel_attention(
     stiefel_learning_rate: the frames' (default: learning_rate).
     weight_decay: AdamW's decoupled weight decay (the frames get none; it
       would have zero Riemannian gradient anyway).
-    b1, b2, eps: shared by both groups, except that eps = 0 (the
-      scale-free Stiefel step) gives AdamW optax's default 1e-8: AdamW
-      divides per coordinate, and a coordinate whose gradient has been zero
-      would be 0 / 0 = NaN. Pass `euclidean_tx` for any other AdamW eps.
+    b1: decay rate of the first moment (the momentum), in both groups.
+    b2: decay rate of the second moment, in both groups: one scalar per
+      frame for the frames, one per coordinate in AdamW.
+    eps: offset added to the denominator sqrt(v_hat), in both groups,
+      except that eps = 0 (the scale-free Stiefel step) gives AdamW optax's
+      default 1e-8: AdamW divides per coordinate, and a coordinate whose
+      gradient has been zero would be 0 / 0 = NaN. Pass `euclidean_tx` for
+      any other AdamW eps.
     max_step_norm: trust-region radius per frame; None disables it.
     frames: where the frames are (`specs`): None / "auto" recognises Flax
       (linen, nnx), Gemma and MaxText layouts by path and shape, and
@@ -141,13 +145,14 @@ def stiefel_attention(
       step retracts such frames onto the manifold, changing the model).
     retraction: "newton_schulz" (default, matmul only) or "eigh".
     mu_dtype: first-moment dtype of both groups.
-    stiefel_tx, euclidean_tx: replace either group's transform, e.g.
-      `stiefel_tx=stiefel_optax.riemannian_sgd(1e-2)`. The arguments that
-      only the replaced transform would take are then refused rather than
-      ignored, even at their defaults: with `stiefel_tx`,
-      `stiefel_learning_rate`, `max_step_norm` and `retraction`; with
-      `euclidean_tx`, `weight_decay`; with both, also `b1`, `b2`, `eps` and
-      `mu_dtype` (and `learning_rate` is not used). Under
+    stiefel_tx: replaces the frames' transform, e.g.
+      `stiefel_tx=stiefel_optax.riemannian_sgd(1e-2)`. The arguments only
+      the replaced transform would take are then refused rather than
+      ignored, even at their defaults: `stiefel_learning_rate`,
+      `max_step_norm` and `retraction`.
+    euclidean_tx: replaces the transform of every other parameter (AdamW);
+      `weight_decay` is then refused. With both given, `b1`, `b2`, `eps` and
+      `mu_dtype` are refused too (and `learning_rate` is not used). Under
       `optax.inject_hyperparams`, which passes every number whether given
       or not, only `retraction` and `mu_dtype` can be refused.
     stack_frames: True: update the frames of equal shape from all leaves

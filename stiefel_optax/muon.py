@@ -154,7 +154,8 @@ def tangent_msign(w: jax.Array, m: jax.Array,
   Args:
     w: frames, shape (..., d, r) with d >= r.
     m: momenta of the same shape.
-    num_steps, method: of `msign`.
+    num_steps: `msign`'s number of steps.
+    method: `msign`'s method, "polar_express" (default) or "eigh".
 
   Returns:
     D, of the shape of `w`, tangent at W.
@@ -222,7 +223,8 @@ def scale_by_tangent_msign(b1: float = 0.95, nesterov: bool = True, *,
   Args:
     b1: momentum decay.
     nesterov: use the Nesterov look-ahead n = b1 m + (1 - b1) g.
-    num_steps, method: of `msign`.
+    num_steps: `msign`'s number of steps.
+    method: `msign`'s method, "polar_express" (default) or "eigh".
     mu_dtype: dtype of the momentum (default: that of the params).
 
   Returns:
@@ -323,9 +325,10 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
 
   Args:
     learning_rate: a float or an optax schedule (the spectral step size).
-    b1, nesterov: momentum decay and Nesterov look-ahead (Muon's defaults).
-    msign_steps, msign_method: `num_steps` and `method` of `msign` (10
-      matmul-only steps by default).
+    b1: momentum decay (Muon's default).
+    nesterov: use the Nesterov look-ahead (Muon's default).
+    msign_steps: `num_steps` of `msign` (10 matmul-only steps by default).
+    msign_method: `method` of `msign`.
     max_step_norm: an optional trust-region radius (Frobenius, per frame);
       may be injected (traced).
     retraction: "newton_schulz" (matmul only, default) or "eigh".
