@@ -1,0 +1,275 @@
+"""Haliax (Levanter): `haliax.nn.Linear` attention trained by `stiefel_attention`.
+
+The real `marin-haliax` package (imports as `haliax`). Levanter's attention
+keeps `q_proj` and `k_proj` as `hnn.Linear`s from the model width `embed`
+to (kv_heads, q_heads_per_group, head_size) (GQA) or (heads, head_size),
+`out_first`: their weights are NamedArrays of axes (kv_heads,
+q_heads_per_group, head_size, embed), under `hnn.Stacked` with a leading
+`layers` axis, and their tree paths end in `/weight/0` (`path_str` drops the
+`/0`). The default selector finds them by module type (an `hnn.Linear`
+named q_proj / k_proj) and axis names (rows its `In`, columns `head_size`,
+every other axis a batch of frames), with no mapping.
+
+For a GQA model (blocks in a list), a plain MHA model and a GQA model under
+`hnn.Stacked` (`fold`, a scan): the default and `frames="haliax"` select
+exactly the Q/K weights; orthonormalize returns the model, every other leaf
+bit-identical; 8 steps of Haliax's own loop (`eqx.filter_value_and_grad`,
+`eqx.apply_updates`) keep each head's (embed, head_size) frame orthonormal,
+read by Haliax's own `rearrange`, and move it, while every other leaf equals
+`optax.adamw` fed the same gradients. Then the error cases.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import stiefel_optax as so
+
+from tests.helpers import plain_isometry, train_beside_adamw
+
+Embed, Vocab, Pos = hax.Axis("embed", 16), hax.Axis("vocab", 13), hax.Axis(
+    "position", 6)
+KPos = Pos.alias("key_position")
+HeadSize, Mlp, Layers, Batch = (hax.Axis("head_size", 4), hax.Axis("mlp", 32),
+                                hax.Axis("layers", 2), hax.Axis("batch", 2))
+LR, STEPS = 1e-2, 8
+ADAMW = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
+
+# (query head axes, key/value head axes): Levanter's GQA, and plain MHA.
+GQA = ((hax.Axis("kv_heads", 2), hax.Axis("q_heads_per_group", 2)),
+       (hax.Axis("kv_heads", 2),))
+MHA = ((hax.Axis("heads", 4),), (hax.Axis("heads", 4),))
+
+
+class Attention(eqx.Module):
+  """Levanter's attention projections: q/k/v/o_proj, `out_first`."""
+  q_proj: hnn.Linear
+  k_proj: hnn.Linear
+  v_proj: hnn.Linear
+  o_proj: hnn.Linear
+
+  @staticmethod
+  def init(heads, *, key):
+    q_heads, kv_heads = heads
+    k = jax.random.split(key, 4)
+    lin = lambda i, o, key: hnn.Linear.init(In=i, Out=o, key=key,
+                                            use_bias=False, out_first=True)
+    return Attention(lin(Embed, (*q_heads, HeadSize), k[0]),
+                     lin(Embed, (*kv_heads, HeadSize), k[1]),
+                     lin(Embed, (*kv_heads, HeadSize), k[2]),
+                     lin((*q_heads, HeadSize), Embed, k[3]))
+
+  def __call__(self, x):
+    q = self.q_proj(x)
+    k = self.k_proj(x).rename({"position": "key_position"})
+    v = self.v_proj(x).rename({"position": "key_position"})
+    mask = hax.nn.attention.causal_mask(Pos, KPos)
+    y = hnn.attention.dot_product_attention(KPos, HeadSize, q, k, v, mask=mask)
+    return self.o_proj(y)
+
+
+class Block(eqx.Module):
+  norm: hnn.LayerNorm
+  self_attn: Attention
+  mlp_in: hnn.Linear
+  mlp_out: hnn.Linear
+
+  @staticmethod
+  def init(heads, *, key):
+    k = jax.random.split(key, 3)
+    return Block(hnn.LayerNorm.init(Embed), Attention.init(heads, key=k[0]),
+                 hnn.Linear.init(Embed, Mlp, key=k[1]),
+                 hnn.Linear.init(Mlp, Embed, key=k[2]))
+
+  def __call__(self, x):
+    x = x + self.self_attn(self.norm(x))
+    return x + self.mlp_out(hnn.gelu(self.mlp_in(x)))
+
+
+class Model(eqx.Module):
+  embed: hnn.Embedding
+  layers: object                   # hnn.Stacked, or a list of Blocks
+  lm_head: hnn.Linear
+
+  @staticmethod
+  def init(heads, stacked, *, key):
+    k = jax.random.split(key, 3)
+    keys = jax.random.split(k[1], Layers.size)
+    layers = (hnn.Stacked.init(Layers, Block)(heads, key=keys) if stacked
+              else [Block.init(heads, key=kk) for kk in keys])
+    return Model(hnn.Embedding.init(Vocab, Embed, key=k[0]), layers,
+                 hnn.Linear.init(Embed, Vocab, key=k[2]))
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    if isinstance(self.layers, hnn.Stacked):
+      x = self.layers.fold(x)
+    else:
+      for block in self.layers:
+        x = block(x)
+    return self.lm_head(x)
+
+
+TOKENS = hax.named(jnp.arange(Batch.size * Pos.size).reshape(2, 6) % 13,
+                   (Batch, Pos))
+TARGETS = (TOKENS * 7 + 3) % Vocab.size
+
+
+def loss_fn(model):
+  logits = model(TOKENS).array                   # (batch, position, vocab)
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, TARGETS.array).mean()
+
+
+def params_of(model):
+  return eqx.filter(model, eqx.is_inexact_array)
+
+
+def qk_weights(model):
+  """{path: NamedArray} of the q_proj / k_proj weights, by attribute."""
+  prefix = "layers/stacked" if isinstance(model.layers, hnn.Stacked) else None
+  blocks = ([(prefix, model.layers.stacked)] if prefix else
+            [(f"layers/{i}", b) for i, b in enumerate(model.layers)])
+  return {f"{p}/self_attn/{n}/weight": getattr(b.self_attn, n).weight
+          for p, b in blocks for n in ("q_proj", "k_proj")}
+
+
+def plain_frames(model):
+  """Each head's (embed, head_size) frame, cut out by Haliax's own
+  `rearrange` (independent of FrameSpec)."""
+  out = []
+  for w in qk_weights(model).values():
+    a = np.asarray(hax.rearrange(w, (..., "embed", "head_size")).array,
+                   np.float64)
+    out += list(a.reshape(-1, Embed.size, HeadSize.size))
+  return out
+
+
+def non_frame_leaves(model):
+  return {p: x for p, x, s in so.frame_specs(params_of(model)) if s is None}
+
+
+CASES = {"gqa": (GQA, False), "mha": (MHA, False), "gqa_stacked": (GQA, True)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_default_and_preset_select_the_qk_weights_by_axis_names(case):
+  heads, stacked = CASES[case]
+  model = Model.init(heads, stacked, key=jax.random.key(0))
+  expected = {}
+  for path, w in qk_weights(model).items():
+    names = tuple(a.name for a in w.axes)
+    expected[path] = so.FrameSpec(rows=names.index("embed"),
+                                  cols=names.index("head_size"))
+  for tree in (model, params_of(model)):
+    assert so.selected_frames(tree) == expected
+    assert so.selected_frames(tree, "haliax") == expected
+    assert so.selected_frames(tree, {r"(q|k)_proj/weight$": so.FrameSpec(
+        rows="embed", cols="head_size")}) == expected      # one named spec
+  n_heads = 4 * (Layers.size if stacked else 1)
+  shapes = so.map_frames(lambda w: w.shape, model, back=False)
+  q_path = next(p for p in expected if "q_proj" in p)
+  assert shapes[q_path][-2:] == (Embed.size, HeadSize.size)
+  assert np.prod(shapes[q_path][:-2]) == n_heads
+
+
+def test_levanter_gqa_layout_and_paths():
+  """Levanter's q_proj weight is (kv_heads, q_heads_per_group, head_size,
+  embed); stacked, (layers, ...); the path has no trailing /0."""
+  model = Model.init(GQA, True, key=jax.random.key(0))
+  w = model.layers.stacked.self_attn.q_proj.weight
+  assert tuple(a.name for a in w.axes) == (
+      "layers", "kv_heads", "q_heads_per_group", "head_size", "embed")
+  (path, _), = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(model)
+                if x is w.array]
+  assert isinstance(path[-1], jax.tree_util.FlattenedIndexKey)
+  assert so.path_str(path) == "layers/stacked/self_attn/q_proj/weight"
+  assert so.selected_frames(model)[so.path_str(path)] == so.FrameSpec(
+      rows=4, cols=3)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_training_keeps_frames_orthonormal_and_the_rest_adamw(case,
+                                                              certificate):
+  heads, stacked = CASES[case]
+  model = Model.init(heads, stacked, key=jax.random.key(1))
+  assert plain_isometry(plain_frames(model)) > 0.5
+  ortho = so.orthonormalize(model)               # the default finds them
+  assert type(ortho) is Model and type(ortho.layers) is type(model.layers)
+  assert plain_isometry(plain_frames(ortho)) <= 1e-5
+  before, after = non_frame_leaves(model), non_frame_leaves(ortho)
+  assert before.keys() == after.keys() and len(before) > 8
+  for path in before:
+    np.testing.assert_array_equal(before[path], after[path], err_msg=path)
+  model = ortho
+
+  tx = so.stiefel_attention(LR)
+  ref_tx = optax.adamw(LR, **ADAMW)
+  opt_state, ref_state = tx.init(params_of(model)), ref_tx.init(
+      params_of(model))
+
+  @eqx.filter_jit
+  def step(model, opt_state, ref, ref_state):
+    _, grads = eqx.filter_value_and_grad(loss_fn)(model)
+    updates, opt_state = tx.update(grads, opt_state, params_of(model))
+    ref_updates, ref_state = ref_tx.update(grads, ref_state, params_of(ref))
+    return (eqx.apply_updates(model, updates), opt_state,
+            eqx.apply_updates(ref, ref_updates), ref_state)
+
+  start = model
+  model, losses, worst = train_beside_adamw(
+      step, model, opt_state, ref_state, STEPS, non_frame_leaves, loss_fn)
+  certificate(f"haliax {case}: deviation from adamw", worst)
+  iso = certificate(f"haliax {case}: isometry after {STEPS} steps",
+                    plain_isometry(plain_frames(model)))
+  assert iso <= 1e-5
+  so.check_frames(model)
+  moved = so.frame_movement(start, model)
+  assert moved.keys() == qk_weights(model).keys()
+  assert all(float(jnp.min(m)) > 1e-3 for m in moved.values()), moved
+  assert losses[-1] < losses[0]
+
+
+# --------------------------------------------------------------------------
+# Error cases.
+
+
+def test_q_proj_without_a_head_size_axis_names_the_fix():
+  flat = hax.Axis("q_out", 16)
+  attn = Attention.init(MHA, key=jax.random.key(0))
+  attn = eqx.tree_at(lambda a: a.q_proj, attn, hnn.Linear.init(
+      Embed, flat, key=jax.random.key(1), use_bias=False))
+  with pytest.raises(ValueError, match=(
+      r"q_proj/weight: a haliax.nn.Linear named q_proj .* from \('embed',\)"
+      r" to \('q_out',\), with no 'head_size' output axis.*FrameSpec\(rows="
+      r"'embed', cols=<the head dimension's axis name>\)")):
+    so.selected_frames(attn)
+
+
+def test_named_specs_need_named_arrays():
+  model = Model.init(MHA, False, key=jax.random.key(0))
+  arrays = {so.path_str(p): x for p, x in
+            jax.tree_util.tree_leaves_with_path(params_of(model))}
+  with pytest.raises(ValueError, match=(
+      r"frames='haliax': params holds no haliax.nn.Linear named q_proj or"
+      r" k_proj \(leaves: .*pass the model")):
+    so.selected_frames(arrays, "haliax")
+  with pytest.raises(ValueError, match=(
+      r"layers/0/self_attn/q_proj/weight: shape \(4, 4, 16\) is selected by"
+      r" FrameSpec\(rows='embed', cols='head_size'\), which names its axes,"
+      r" but the leaf carries no axis names")):
+    so.selected_frames(arrays, {r"q_proj/weight$": so.FrameSpec(
+        rows="embed", cols="head_size")})
+  with pytest.raises(ValueError, match=(
+      r"q_proj/weight \(shape \(4, 4, 16\)\): FrameSpec\(rows='embd',"
+      r" cols='head_size'\) names axis 'embd', but the leaf's axes are"
+      r" \('heads', 'head_size', 'embed'\) \(no such name\)")):
+    so.selected_frames(model, {r"q_proj/weight$": so.FrameSpec(
+        rows="embd", cols="head_size")})
