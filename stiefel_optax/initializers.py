@@ -62,37 +62,79 @@ def orthonormalize(params, frames: specs_lib.Selector = None, *,
   return views.map_frames(fn, params, frames)
 
 
-def orthonormal_heads_init(dtype=jnp.float32):
-  """A Flax initializer of (d, heads, head_dim) kernels of orthonormal heads.
+def orthonormal_heads_init(dtype=jnp.float32, *, head_dim=None):
+  """An initializer of attention kernels whose heads are orthonormal frames.
 
   Each head's (d, head_dim) frame is Haar-random orthonormal
-  (`random_frames`).
+  (`random_frames`). It makes (d, heads, head_dim) kernels, and, given
+  `head_dim`, the flat (d, heads * head_dim) kernels, head h in columns
+  [h head_dim, (h + 1) head_dim), that Flax's attention modules ask of their
+  `kernel_init`: linen's `MultiHeadDotProductAttention` (through
+  `DenseGeneral`) and nnx's `MultiHeadAttention` (through `LinearGeneral`)
+  both call it with the flat shape and reshape the result to (d, heads,
+  head_dim). `head_dim`, not the head count, fixes the split, so one
+  initializer serves the query (heads) and, under grouped-query attention,
+  the key and value (kv heads). Given as `kernel_init`, it also initializes
+  the value projection, and the output projection unless `out_kernel_init`
+  is given (its (heads * head_dim, d) kernel then has orthonormal blocks of
+  head_dim columns, a valid start for any kernel).
 
   Args:
     dtype: the default dtype of the kernels it makes.
+    head_dim: the columns per head of a flat (d, heads * head_dim) kernel;
+      None: only (d, heads, head_dim) kernels.
 
   Returns:
     init(key, shape, dtype=dtype), a JAX initializer (as
-    `nn.initializers.*` return); it raises ValueError unless shape is
-    (d, heads, head_dim) with d >= head_dim.
+    `nn.initializers.*` return); it raises ValueError, naming the shape and
+    the fix, unless shape is (d, heads, head_dim) (its last axis equal to
+    `head_dim` if given) or, given `head_dim`, (d, n) with head_dim dividing
+    n; and unless d >= head_dim.
 
   Example:
     >>> import jax, stiefel_optax as so
     >>> w = so.orthonormal_heads_init()(jax.random.key(0), (16, 2, 4))
     >>> bool(so.max_isometry_error({"query": {"kernel": w}}) < 1e-5)
     True
+
+    As Flax attention's `kernel_init` (the flat shape; nnx alike):
+
+    >>> import flax.linen as nn, jax.numpy as jnp
+    >>> attn = nn.MultiHeadDotProductAttention(
+    ...     num_heads=2, qkv_features=8,
+    ...     kernel_init=so.orthonormal_heads_init(head_dim=4))
+    >>> params = attn.init(jax.random.key(1), jnp.ones((1, 3, 16)))["params"]
+    >>> bool(so.max_isometry_error(params) < 1e-5)
+    True
   """
+  if head_dim is not None and not (isinstance(head_dim, int)
+                                   and head_dim >= 1):
+    raise ValueError(f"orthonormal_heads_init: head_dim={head_dim!r} must be"
+                     " a positive int (the columns per head).")
 
   def init(key, shape, dtype=dtype):
     shape = tuple(shape)
-    if len(shape) != 3:
+    flat = len(shape) == 2 and head_dim is not None
+    if flat and shape[1] % head_dim:
       raise ValueError(
-          f"orthonormal_heads_init: expects (d, heads, head_dim); got {shape}.")
-    if shape[2] > shape[0]:
+          f"orthonormal_heads_init: shape {shape} has {shape[1]} columns, not"
+          f" divisible into heads of head_dim = {head_dim}; pass the model's"
+          " head_dim.")
+    if not flat and (len(shape) != 3 or (head_dim is not None
+                                         and shape[2] != head_dim)):
+      fix = ("orthonormal_heads_init(head_dim=...) for the flat (d, heads *"
+             " head_dim) shape that Flax's attention modules pass"
+             if head_dim is None else f"head_dim = {head_dim}")
       raise ValueError(
-          f"orthonormal_heads_init: shape {shape} has head_dim = {shape[2]} >"
-          f" d = {shape[0]}; an orthonormal frame needs d >= head_dim.")
-    frames = geometry.random_frames(key, (shape[1], shape[0], shape[2]), dtype)
-    return jnp.transpose(frames, (1, 0, 2))
+          f"orthonormal_heads_init: expects (d, heads, head_dim); got {shape}."
+          f" Use {fix}.")
+    d, heads, r = ((shape[0], shape[1] // head_dim, head_dim) if flat
+                   else shape)
+    if r > d:
+      raise ValueError(
+          f"orthonormal_heads_init: shape {shape} has head_dim = {r} >"
+          f" d = {d}; an orthonormal frame needs d >= head_dim.")
+    frames = geometry.random_frames(key, (heads, d, r), dtype)
+    return jnp.transpose(frames, (1, 0, 2)).reshape(shape)
 
   return init
