@@ -2,16 +2,21 @@
 written.
 
 Each block runs in a fresh namespace (the snippets are self-contained). A
-snippet that builds a TrainState or an nnx.Optimizer must have taken a step,
-and its Q/K frames must have moved while staying orthonormal. The docs/*.md
-pages (the long forms of the README's sections, e.g. docs/families.md) are
-held to the same rules, and the README links each of them.
+snippet that trains (a TrainState, an nnx.Optimizer, or a plain optax loop
+with `tx` and its state) must have taken a step, and its Q/K frames must have
+moved from where `orthonormalize` put them while staying orthonormal: the
+test records what each `stiefel_optax.orthonormalize` call returned (inside
+`jax.jit` too) and compares every frame leaf with the trained one. The
+docs/*.md pages (the long forms of the README's sections, e.g.
+docs/families.md) are held to the same rules, and the README links each of
+them.
 """
 
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import stiefel_optax as so
@@ -21,6 +26,11 @@ from tests.helpers import ROOT
 README = ROOT / "README.md"
 DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README] + DOC_PAGES
+# A frame that took a step has moved more than this (Frobenius): rounding
+# moves one that did not (a zero learning rate) by about 1e-7, and a first
+# Stiefel-Adam step moves each frame by its learning rate (1e-3 in the
+# snippets).
+MOVE_FLOOR = 1e-5
 BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
 
@@ -62,6 +72,32 @@ def _is_fs(x):
   return isinstance(x, so.ScaleByFrameAdamState)
 
 
+def _arrays(tree) -> dict:
+  """{path: array leaf} of a parameter tree (a Module, an nnx State, a dict)."""
+  return {so.path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)
+          if isinstance(x, (jax.Array, np.ndarray))}
+
+
+def _record_orthonormalize(monkeypatch) -> list:
+  """Makes `stiefel_optax.orthonormalize` record each result ({path: array})
+  in the list it returns; under jax.jit the values arrive by a debug
+  callback when the compiled call runs."""
+  starts = []
+  orthonormalize = so.orthonormalize
+
+  def recording(*args, **kwargs):
+    out = orthonormalize(*args, **kwargs)
+    arrays = _arrays(out)
+    if any(isinstance(x, jax.core.Tracer) for x in arrays.values()):
+      jax.debug.callback(lambda a: starts.append(dict(a)), arrays)
+    else:
+      starts.append({p: np.array(x) for p, x in arrays.items()})
+    return out
+
+  monkeypatch.setattr(so, "orthonormalize", recording)
+  return starts
+
+
 def test_readme_has_the_two_one_line_switch_snippets():
   blocks = python_blocks()
   assert len(blocks) >= 2, f"README.md has {len(blocks)} ```python block(s)"
@@ -83,9 +119,10 @@ def test_readme_links_every_docs_page():
 @pytest.mark.parametrize(
     "page,index", BLOCKS,
     ids=[f"{_name(page)}[{index}]" for page, index in BLOCKS])
-def test_python_block_runs(page, index):
+def test_python_block_runs(page, index, monkeypatch):
   source = python_blocks(page)[index]
   ns = {"__name__": "__main__"}
+  starts = _record_orthonormalize(monkeypatch)
   exec(compile(source, f"{_name(page)}[python block {index}]", "exec"), ns)
   trained = _trained(ns)
   if trained is None:
@@ -95,6 +132,21 @@ def test_python_block_runs(page, index):
   errs = so.frame_isometry_errors(params, ns.get("frames"))
   assert errs, "no query/key frame found in the snippet's model"
   assert max(float(jnp.max(e)) for e in errs.values()) <= 1e-5
+  # The frames moved: each Q/K leaf differs from where orthonormalize put it.
+  jax.effects_barrier()         # the values recorded inside jax.jit
+  start = [s for s in starts if set(errs) <= set(s)]
+  assert start, ("the snippet trains frames it did not start with"
+                 " stiefel_optax.orthonormalize: nothing to measure the"
+                 f" move from (recorded: {[sorted(s) for s in starts]})")
+  # Per frame, so that the AdamW-trained rest of a fused leaf (a value
+  # part) does not count.
+  before = jax.tree_util.tree_map_with_path(
+      lambda p, x: start[-1].get(so.path_str(p), x), params)
+  moved = {p: float(jnp.min(m)) for p, m in
+           so.frame_movement(before, params, ns.get("frames")).items()}
+  assert set(moved) == set(errs)
+  assert all(m > MOVE_FLOOR for m in moved.values()), (
+      f"a frame did not move (least ||W - W_0||_F per leaf): {moved}")
   # The Stiefel group took the step: its moments are set, one scalar per frame.
   is_fs = lambda x: isinstance(x, so.ScaleByFrameAdamState)
   (fs,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_fs) if is_fs(x)]
