@@ -1,11 +1,13 @@
 """Modular-arithmetic grokking: AdamW against Stiefel attention, paired seeds.
 
-    python -m benchmarks.grokking            # reduced default, a few minutes
-    python -m benchmarks.grokking --full     # the longer study, resumable
-    python -m benchmarks.grokking --full --time-budget 3600
+    python -m benchmarks grokking            # reduced default, a few minutes
+    python -m benchmarks grokking --preset full   # the longer study, resumable
+    python -m benchmarks grokking --preset full --time-budget 3600
                                              # stops itself between jobs
-    python -m benchmarks.grokking --quick    # a smoke run, under a minute
-    python -m benchmarks.grokking --report-only --results-md benchmarks/RESULTS.md
+    python -m benchmarks grokking --quick    # a smoke run, under a minute
+    python -m benchmarks grokking --set train_fraction=0.3 --set steps=10000 \
+        --seeds 0-4 --worker 0/2             # one of two parallel processes
+    python -m benchmarks grokking --report-only --results-md benchmarks/RESULTS.md
                                              # the committed tables and section
 
 Task: (a op b) mod p (p = 97) from the tokens [a, b, =], a seeded share of all
@@ -37,7 +39,7 @@ table.md and plots that `benchmarks.reports.grokking` generates from the
 saved runs (as it does the RESULTS.md section).
 
 The modules, as every experiment has them (config, arms, data, model,
-train, study, cli):
+train, study, experiment):
 
     config.py      `Config`, its presets (`PRESETS`: default, full,
                    quick) and a run's name
@@ -52,7 +54,8 @@ train, study, cli):
                    order, split into parts, run with a time budget
                    (`benchmarks.study.run_list`), and what the report
                    reads: a folder's study and saved runs
-    cli.py         the command line: a study, its report, the section
+    experiment.py  the record the driver runs (`benchmarks.driver`): a
+                   study, its report, the section
 
 Run stores, identities and the machine record are `benchmarks.harness`'s;
 the resumable training loop and the arm record are `benchmarks.training`'s,
@@ -62,13 +65,13 @@ tests and other modules use.
 """
 
 from benchmarks.grokking.arms import ARMS, make_optimizer
-from benchmarks.grokking.cli import configure, main, parse_args
+from benchmarks.grokking.experiment import EXPERIMENT, configure, main
 from benchmarks.grokking.config import PRESETS, PROBE_ARM, Config, run_name
 from benchmarks.grokking.model import initial_params, make_model
 from benchmarks.grokking.study import STUDIES, Study, load_study
 from benchmarks.grokking.train import train_run
 
-__all__ = ["ARMS", "PRESETS", "PROBE_ARM", "STUDIES", "Config", "Study",
+__all__ = ["ARMS", "EXPERIMENT", "PRESETS", "PROBE_ARM", "STUDIES", "Config", "Study",
            "configure", "initial_params", "load_study", "main",
-           "make_model", "make_optimizer", "parse_args", "run_name",
+           "make_model", "make_optimizer", "run_name",
            "train_run"]

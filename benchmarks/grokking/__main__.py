@@ -1,7 +1,7 @@
-"""`python -m benchmarks.grokking`: see the package docstring and
-`cli.main`."""
+"""`python -m benchmarks.grokking`: `python -m benchmarks grokking` (see
+the package docstring and `benchmarks.driver`)."""
 
-from benchmarks.grokking import cli
+from benchmarks.grokking import experiment
 
 if __name__ == "__main__":
-  cli.main()
+  experiment.main()

@@ -7,7 +7,8 @@ import doctest
 
 import pytest
 
-from benchmarks import harness, models, stats, study, sweep, training
+from benchmarks import (driver, harness, models, stats, study, sweep,
+                        training)
 from benchmarks.cifar_patches import config as cifar_config
 from benchmarks.lm import (arms as lm_arms, config as lm_config,
                            robustness as lm_robustness, study as lm_study)
@@ -16,7 +17,7 @@ from benchmarks.speed import arms, cli, layout, peer, timing, trees
 
 
 @pytest.mark.parametrize(
-    "module", [harness, models, stats, study, sweep, training, cifar_config,
+    "module", [driver, harness, models, stats, study, sweep, training, cifar_config,
                lm_arms, lm_config, lm_robustness, lm_study, cifar_report,
                robustness, arms, cli, layout, peer, timing, trees],
     ids=lambda m: m.__name__)

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 import stiefel_optax as so
-from benchmarks import grokking, harness
+from benchmarks import driver, grokking, harness
 from benchmarks.grokking import data
 from benchmarks.reports import grokking as report_lib
 
 TINY_CFG = grokking.Config(p=11, d_model=16, num_heads=2, d_mlp=32,
                            log_every=10, train_fraction=0.5)
-TINY = ["--p", "11", "--d-model", "16", "--num-heads", "2", "--d-mlp", "32",
-        "--steps", "20", "--seeds", "0-1", "--long-steps", "30",
-        "--probe-steps", "10", "--log-every", "10", "--train-fraction", "0.5",
-        "--no-progress"]
+TINY = ["--set", "p=11", "--set", "d_model=16", "--set", "num_heads=2",
+        "--set", "d_mlp=32", "--set", "steps=20", "--seeds", "0-1",
+        "--set", "long_steps=30", "--set", "probe_steps=10",
+        "--set", "log_every=10", "--set", "train_fraction=0.5", "--quiet"]
 
 
 @pytest.mark.parametrize("op", data.OPS)
@@ -122,7 +122,7 @@ def test_tiny_study_end_to_end_and_resume(tiny_study, tmp_path):
   out = tmp_path / "grok"
   shutil.copytree(tiny_study[0], out)
   res = tiny_study[1]
-  assert grokking.configure(grokking.parse_args(TINY))[0] == TINY_CFG
+  assert grokking.configure(driver.parse(grokking.EXPERIMENT, TINY))[0] == TINY_CFG
   saved = json.loads((out / "results.json").read_text())
   assert saved["meta"]["regenerate"] == (
       "python -m benchmarks.grokking --report-only --out grok")
@@ -203,12 +203,26 @@ def test_results_section_from_template(tiny_study, tmp_path):
 
 
 def test_default_output_is_outside_the_tracked_tree():
-  cfg, study, out, _ = grokking.configure(grokking.parse_args([]))
+  cfg, study, out, _ = grokking.configure(driver.parse(grokking.EXPERIMENT,
+                                                      []))
   assert out == harness.RUNS_ROOT / "grokking" / "default"
   assert study == grokking.STUDIES["default"] and cfg == grokking.Config()
   assert cfg == grokking.PRESETS["default"]
-  quick = grokking.configure(grokking.parse_args(["--quick", "--seeds", "3,5"]))
+  quick = grokking.configure(driver.parse(grokking.EXPERIMENT,
+                                          ["--quick", "--seeds", "3,5"]))
   assert quick[1].seeds == (3, 5) and quick[2].name == "quick"
+  # one way to override: --set a field of the Config or the Study; an
+  # unknown key, or a step count off the log grid, is refused
+  cfg, study, *_ = grokking.configure(driver.parse(grokking.EXPERIMENT, [
+      "--preset", "full", "--set", "train_fraction=0.3", "--set",
+      "steps=1000", "--set", "d_model=64"]))
+  assert (cfg.train_fraction, cfg.d_mlp, study.steps, study.long_steps) == (
+      0.3, 256, 1000, grokking.STUDIES["full"].long_steps)
+  for bad, match in ((["--set", "width=3"], "not a setting"),
+                     (["--set", "steps=7"], "multiple of log_every"),
+                     (["--worker", "2/2"], "0 <= I < N")):
+    with pytest.raises(SystemExit, match=match):
+      grokking.configure(driver.parse(grokking.EXPERIMENT, bad))
   ignore = (harness.REPO / ".gitignore").read_text().split()
   assert "/runs/" in ignore          # the root runs/ folder only
 
