@@ -96,9 +96,12 @@ def test_spec_errors_name_the_leaf_and_the_fix():
   with pytest.raises(ValueError, match=r"takes 2 of 3 parts.*\(8, 12\)"):
     so.merge_frames(so.to_frames(jnp.zeros((8, 12)), so.fused_qkv(2)), None,
              so.fused_qkv(2), (8, 12))
-  for bad in (dict(parts=3, take=(3,)), dict(parts=3, take=(1, 0)),
-              dict(parts=3), dict(take=(0,)), dict(heads=0)):
-    with pytest.raises(ValueError):
+  take = r"take must list distinct parts in increasing order, each in \[0, 3\)"
+  for bad, why in ((dict(parts=3, take=(3,)), take),
+                   (dict(parts=3, take=(1, 0)), take), (dict(parts=3), take),
+                   (dict(take=(0,)), "take/part_axis need parts"),
+                   (dict(heads=0), "heads must be a positive int")):
+    with pytest.raises(ValueError, match=why):
       FrameSpec(0, 1, **bad)
   tx = so.frame_partition(so.stiefel_adam(0.1), None,
                           frames=FrameSpec(0, (1, 2)))

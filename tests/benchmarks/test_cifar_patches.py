@@ -449,7 +449,7 @@ def test_each_family_has_its_own_holm_and_confirmation():
       dict(planned, families=fams)).split("Family `ablation`")[1]
 
 
-def test_seeds_identity_and_run_store(tmp_path):
+def test_seeds_identity_and_run_store(tmp_path, capsys):
   assert harness.parse_seeds("0-11") == tuple(range(12))
   assert harness.parse_seeds("500,501,502") == (500, 501, 502)
   assert harness.parse_seeds("0-3,7,2") == (0, 1, 2, 3, 7)
@@ -462,8 +462,11 @@ def test_seeds_identity_and_run_store(tmp_path):
       range(500, 512))
   args = cp.parse_args(["--seeds", "500-511", "--other-seeds", "500,501"])
   assert args.seeds == tuple(range(500, 512)) and args.other_seeds == (500, 501)
-  with pytest.raises(SystemExit):
+  capsys.readouterr()
+  with pytest.raises(SystemExit, match="^2$"):   # argparse's error exit
     cp.parse_args(["--seeds", "x"])
+  assert ("argument --seeds: seeds: 'x' is not a list or range of seeds"
+          in capsys.readouterr().err)
   # identity: content only; the version enters, paths never do
   cfg = {"a": 1}
   assert harness.run_identity(cfg, "d:md5=1") == harness.run_identity(dict(cfg), "d:md5=1")

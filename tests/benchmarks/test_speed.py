@@ -42,7 +42,8 @@ def test_prints_and_writes_the_tables(quick):
     assert title in md and title in stdout
 
 
-def test_report_only_renders_the_same_tables_from_the_json(quick, tmp_path):
+def test_report_only_renders_the_same_tables_from_the_json(quick, tmp_path,
+                                                           capsys):
   res, md, _ = quick
   (tmp_path / "speed.json").write_text(json.dumps(res))
   from benchmarks.reports import speed as report  # pylint: disable=g-import-not-at-top
@@ -50,8 +51,12 @@ def test_report_only_renders_the_same_tables_from_the_json(quick, tmp_path):
   assert report.markdown(res) == md
   cli.main(["--report-only", "--out", str(tmp_path)])
   assert (tmp_path / "speed.md").read_text() == md
-  with pytest.raises(SystemExit):   # no speed.json there: a clear error
+  capsys.readouterr()
+  with pytest.raises(SystemExit, match="^2$"):   # argparse's error exit
     cli.main(["--report-only", "--out", str(tmp_path / "none")])
+  # no speed.json there: a clear error, naming the file
+  assert (f"--report-only: no {tmp_path / 'none' / 'speed.json'}; run the"
+          " benchmark first." in capsys.readouterr().err)
 
 
 def test_accelerator_report_renders_its_speed_part(quick):
