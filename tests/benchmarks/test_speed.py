@@ -191,12 +191,19 @@ def test_transposes_counts_data_movement():
 # --------------------------------------------------------------------------
 # The geoopt comparison (`--peer-only`): its skip paths need no torch; the
 # run itself needs the peer environment (runs/peer-venv, see
-# benchmarks/speed/__init__.py), which CI does not have.
+# benchmarks/speed/__init__.py), which CI does not have. That environment is
+# torch + geoopt, 1.1 GB and about 2 min of installing on this project's
+# machines (torch 2.13.0's CPU wheel lies on their disk), so neither CI's
+# fresh install nor the 5-minute suite can afford it: test_peer_tiny_run
+# runs only on a machine where someone set it up by hand (it then takes
+# about 30 s), and CI never runs it.
 
 PEER_PYTHON = os.path.join(ROOT, "runs", "peer-venv", "bin", "python")
 needs_peer = pytest.mark.skipif(
     not os.access(PEER_PYTHON, os.X_OK),
-    reason="no peer environment at runs/peer-venv (torch, geoopt)")
+    reason="geoopt peer run: needs runs/peer-venv (torch + geoopt, set up by"
+           " hand as benchmarks/speed/__init__.py says); CI does not set it"
+           " up, so CI never runs this test")
 
 
 def _peer_only(tmp_path, capsys, *args):
