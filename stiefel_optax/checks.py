@@ -16,6 +16,8 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from stiefel_optax import geometry
 
@@ -155,6 +157,52 @@ def is_concrete(x) -> bool:
       x, (jax.core.Tracer, jax.ShapeDtypeStruct))
 
 
+# --------------------------------------------------------------------------
+# Values on a cluster: each process holds only its shards of a global array
+# (`jax.distributed`), so reading one takes a collective that every process
+# joins, and then every process reads the same bits and decides alike (a
+# process that raised while the others wait in a collective would hang the
+# job). An array this process holds whole is read as it is: no collective,
+# so a check run by one process alone never waits for the others.
+
+
+def spans_processes(x) -> bool:
+  """True for a concrete jax.Array with shards on other processes' devices."""
+  return is_concrete(x) and not getattr(x, "is_fully_addressable", True)
+
+
+def host_value(x) -> np.ndarray:
+  """x as a NumPy array, the same bits on every process.
+
+  np.asarray(x) where this process holds x whole; for a global array
+  (`spans_processes`) its all-gather (`multihost_utils.process_allgather`),
+  which every process holding a shard of x must call.
+  """
+  if spans_processes(x):
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def _identity(x):
+  return x
+
+
+def replicated(x):
+  """x, readable whole (np.asarray) on every process that holds a shard.
+
+  x itself where this process holds it whole, or under jit; a global array
+  (`spans_processes`) is copied onto all its devices (an all-gather every
+  process joins; the values are unchanged).
+  """
+  if not spans_processes(x):
+    return x
+  if isinstance(x.sharding, NamedSharding):
+    whole = NamedSharding(x.sharding.mesh, PartitionSpec(),
+                          memory_kind=x.sharding.memory_kind)
+    return jax.jit(_identity, out_shardings=whole)(x)
+  return jnp.asarray(host_value(x))
+
+
 @jax.jit
 def _frame_stats(w):
   """(isometry error, smallest and largest eigenvalue of W^T W) per frame."""
@@ -172,15 +220,23 @@ def start_tolerance(dtype, r: int) -> float:
 def check_start(name: str, frames, orthonormal_start: str = "check",
                 fix: str = "", hint: str = "") -> None:
   """Raises ValueError, starting with `name`, when frames (..., d, r) hold a
-  rank-deficient frame, or (orthonormal_start="check") one that is not
-  orthonormal to `start_tolerance`. Skipped for traced frames (init under
-  jit): the retraction then keeps them finite and lands them on the
-  manifold. `fix` ends the not-orthonormal message (how to orthonormalize),
-  `hint` both messages.
+  rank-deficient frame (smallest eigenvalue of W^T W <= r eps times its
+  largest), or (orthonormal_start="check") one that is not orthonormal
+  (||W^T W - I||_F > `start_tolerance`).
+
+  The one start check of the library: `frame_partition`'s init runs it on
+  each selected kernel's frame view, a transform's init on each leaf
+  (`check_start_leaves`). Skipped for traced frames (init under jit): the
+  retraction then keeps them finite and lands them on the manifold. Frames
+  that span several processes (a global array on a cluster) are measured
+  inside jit and read whole on every process (`host_value`), so every
+  process raises the same error or none. `fix` ends the not-orthonormal
+  message (how to orthonormalize), `hint` both messages.
   """
   if not is_concrete(frames):
     return
-  iso, lo, hi = (np.asarray(v) for v in _frame_stats(frames))
+  # Read whole on every process (`host_value`): one decision everywhere.
+  iso, lo, hi = (host_value(v) for v in _frame_stats(frames))
   r = frames.shape[-1]
   eps = float(jnp.finfo(geometry.compute_dtype(frames.dtype)).eps)
   deficient = lo <= r * eps * hi

@@ -1,6 +1,9 @@
 """Diagnostics: how far frames are from the manifold and how far they move.
 
 Every helper takes the same frame selector `frames=` as `stiefel_attention`.
+On a cluster (`jax.distributed`, each process holding only its shards) they
+take global arrays: every process calls them, reads the same values and
+`check_frames` raises on every process or on none.
 """
 
 from __future__ import annotations
@@ -8,7 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from stiefel_optax import geometry, specs as specs_lib, views
+from stiefel_optax import checks, geometry, specs as specs_lib, views
+
+
+def _per_frame(fn, params, frames) -> dict:
+  """{path: fn(frame view)}, each readable whole on every process
+  (`checks.replicated`: a global array's per-frame values are all-gathered)."""
+  out = views.map_frames(fn, params, frames, back=False)
+  return {path: checks.replicated(v) for path, v in out.items()}
 
 
 def frame_isometry_errors(params, frames: specs_lib.Selector = None) -> dict:
@@ -22,7 +32,8 @@ def frame_isometry_errors(params, frames: specs_lib.Selector = None) -> dict:
 
   Returns:
     A dict from each selected leaf's '/'-joined path to its frames' isometry
-    errors, shape of the frame view's batch axes.
+    errors, shape of the frame view's batch axes (replicated where the
+    frames span several processes, so that each process can read them).
 
   Raises:
     ValueError: as `frame_specs`, when the selector cannot decide a leaf or
@@ -33,7 +44,7 @@ def frame_isometry_errors(params, frames: specs_lib.Selector = None) -> dict:
     >>> so.frame_isometry_errors({"query": {"kernel": jnp.zeros((4, 1, 2))}})
     {'query/kernel': Array([1.4142135], dtype=float32)}
   """
-  return views.map_frames(geometry.isometry_error, params, frames, back=False)
+  return _per_frame(geometry.isometry_error, params, frames)
 
 
 def max_isometry_error(params, frames: specs_lib.Selector = None) -> jax.Array:
@@ -86,10 +97,12 @@ def check_frames(params, frames: specs_lib.Selector = None,
   """
   shapes = {p: tuple(x.shape) for p, x, s in
             specs_lib.frame_specs(params, frames) if s is not None}
-  errs = frame_isometry_errors(params, frames)
-  bad = [f"{path} (shape {shapes[path]}): max isometry error"
-         f" {float(jnp.max(e)):.3g}" for path, e in errs.items()
-         if not float(jnp.max(e)) <= atol]
+  # Each leaf's worst error, read whole on every process (`host_value`): the
+  # same decision everywhere.
+  worst = {path: float(checks.host_value(jnp.max(e))) for path, e in
+           frame_isometry_errors(params, frames).items()}
+  bad = [f"{path} (shape {shapes[path]}): max isometry error {e:.3g}"
+         for path, e in worst.items() if not e <= atol]
   if bad:
     raise ValueError(
         f"check_frames: {len(bad)} kernel(s) off the Stiefel manifold"
@@ -108,7 +121,7 @@ def frame_movement(old_params, new_params,
 
   Returns:
     A dict from each selected leaf's path to the Frobenius distance each of
-    its frames moved.
+    its frames moved (replicated where the frames span several processes).
 
   Raises:
     ValueError: as `frame_specs`, or when the trees' structures differ.
@@ -125,4 +138,4 @@ def frame_movement(old_params, new_params,
   # never frames: carried as they are.
   diff = jax.tree.map(lambda a, b: b - a if hasattr(b, "shape") else b,
                       old_params, new_params)
-  return views.map_frames(geometry.frame_norm, diff, frames, back=False)
+  return _per_frame(geometry.frame_norm, diff, frames)
