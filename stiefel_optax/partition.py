@@ -199,21 +199,6 @@ def check_state(stiefel_tx, state, f_params, stack_frames) -> None:
       f" arrays).{hint}, or start a new state with tx.init(params).")
 
 
-def check_start(items, orthonormal_start: str = "check") -> None:
-  """`checks.check_start` on every selected leaf's frames, the error
-  naming the path, the leaf's shape, its frames and spec: the start check of
-  `frame_partition`, once per init (the Stiefel transform's own is skipped,
-  `checks.start_checked`)."""
-  for path, x, spec in items:
-    if spec is not None and checks.is_concrete(x):
-      view = views.to_frames(x, spec, path)
-      checks.check_start(
-          f"{path}: shape {tuple(x.shape)}, frames {view.shape} under {spec}",
-          view, orthonormal_start,
-          fix="Call params = stiefel_optax.orthonormalize(params, frames=...)"
-          " before creating the optimizer state. ")
-
-
 def frame_partition(stiefel_tx: optax.GradientTransformation,
                     euclidean_tx: Optional[optax.GradientTransformation],
                     frames: specs_lib.Selector = None, *,
@@ -289,7 +274,15 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
     checks.require_params(params, "frame_partition")
     warn_if_boxed(params)   # its boxes would mislabel the state
     items = specs_lib.frame_specs(params, frames)
-    check_start(items, orthonormal_start)
+    # The one start check of init, naming each kernel (`checks.check_start`).
+    for path, x, spec in items:
+      if spec is not None and checks.is_concrete(x):
+        view = views.to_frames(x, spec, path)
+        checks.check_start(
+            f"{path}: shape {tuple(x.shape)}, frames {view.shape} under"
+            f" {spec}", view, orthonormal_start,
+            fix="Call params = stiefel_optax.orthonormalize(params,"
+            " frames=...) before creating the optimizer state. ")
     f_params, r_params = _groups(params, items)
     # The start is checked (above, naming the kernels): the Stiefel
     # transform's init skips its own start check, its leaf checks still run.
