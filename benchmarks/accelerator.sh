@@ -82,14 +82,14 @@ EOF
 # (b) the language model, paired seeds until the budget is spent.
 left=$((BUDGET_S - ($(date +%s) - start)))
 if [ "$TOY" = 1 ]; then
-  LM_ARGS=(--quick --n-layer 1 --n-embd 16 --block-size 8 --max-iters 10
-           --eval-interval 5 --eval-iters 2 --quiet)
+  LM_ARGS=(--quick --set n_layer=1 --set n_embd=16 --set block_size=8
+           --set max_iters=10 --set eval_interval=5 --set eval_iters=2 --quiet)
 else
   LM_ARGS=(--preset gpu)
 fi
 if [ -n "${DATA:-}" ]; then LM_ARGS+=(--data "$DATA"); fi
 echo "LM: ${left} s left for the paired seeds"
 "$PY" -m benchmarks.lm "${LM_ARGS[@]}" --arms adamw,stiefel --seeds "$SEEDS" \
-  --stiefel-learning-rate "$STIEFEL_LR" --max-step-norm "$STIEFEL_CAP" --out "$OUT/lm" \
+  --set stiefel_learning_rate="$STIEFEL_LR" --set max_step_norm="$STIEFEL_CAP" --out "$OUT/lm" \
   --time-budget "$((left > 30 ? left - 30 : 1))"   # then writes its report
 echo "accelerator.sh: done in $(($(date +%s) - start)) s; results under $OUT"

@@ -22,12 +22,10 @@ Outputs. By default every experiment writes under runs/<experiment>/ at the
 repository root, which git ignores. The committed reference results under
 benchmarks/results/ are rewritten only when `--out` names them.
 
-Command line, the same in the paired-seed experiments (grokking,
-cifar_patches, lm; `add_common_args`): `--quick` (a small smoke run),
-`--seeds` (a list or range: 0-11, 500,501,502, 0-3,7), `--out DIR`,
-`--report-only` (no training: tables, plots and summaries from the saved
-runs) and `--results-md PATH` (also rewrite the experiment's section of that
-RESULTS.md, from the raw runs and the notes files, never by hand).
+The command line is the one driver's (`benchmarks.driver`: `python -m
+benchmarks <experiment>`); seeds are a list or range (`parse_seeds`: 0-11,
+500,501,502, 0-3,7); `--results-md PATH` rewrites the experiment's section
+of that RESULTS.md from the raw runs and the notes files, never by hand.
 """
 
 from __future__ import annotations
@@ -330,43 +328,6 @@ def seed_block(seed: int) -> str:
 def default_out(*parts: str) -> pathlib.Path:
   """runs/<parts...> at the repository root (git-ignored)."""
   return RUNS_ROOT.joinpath(*parts)
-
-
-def given(args: argparse.Namespace, names: Iterable[str]) -> dict:
-  """{name: value} of the options among `names` that the command line set
-  (those not None): what overrides a preset.
-
-  >>> given(argparse.Namespace(steps=0, seed=None), ("steps", "seed"))
-  {'steps': 0}
-  """
-  return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-
-
-def add_common_args(p: argparse.ArgumentParser, *, default_out_dir: str,
-                    seeds_default: str, quick_help: str,
-                    seeds_help: str = "seeds") -> None:
-  """--quick, --seeds, --out, --report-only, --results-md."""
-  p.add_argument("--quick", action="store_true", help=quick_help)
-  p.add_argument("--seeds", type=seeds_type, default=None,
-                 help=f"{seeds_help}: a list or range, e.g. 0-11, 500-511 or"
-                      f" 500,501,502 (default {seeds_default})")
-  p.add_argument("--out", type=pathlib.Path, default=None,
-                 help=f"results folder (default {default_out_dir}, ignored by"
-                      " git; name a folder under benchmarks/results/ to"
-                      " rewrite the committed reference results)")
-  p.add_argument("--report-only", action="store_true",
-                 help="no training: report the saved runs")
-  p.add_argument("--results-md", type=pathlib.Path, default=None,
-                 help="also rewrite this experiment's section of this"
-                      " RESULTS.md (e.g. benchmarks/RESULTS.md) from the raw"
-                      " runs and the notes files")
-
-
-def add_time_budget_arg(p: argparse.ArgumentParser, what: str = "run") -> None:
-  """--time-budget: a study that stops by itself (before a session ends)."""
-  p.add_argument("--time-budget", type=float, default=0,
-                 help=f"seconds: start no {what} expected to end past it"
-                      " (from the runs' timing so far; 0: no limit)")
 
 
 # --------------------------------------------------------------------------

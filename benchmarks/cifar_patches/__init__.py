@@ -3,8 +3,10 @@ against AdamW, with data scaling, baselines and ablations (paired seeds).
 
     python -m benchmarks.cifar_patches            # the full protocol, resumable
     python -m benchmarks.cifar_patches --quick    # synthetic images, < 1 minute
-    python -m benchmarks.cifar_patches --data PATH --arms adamw stiefel rsgd \
+    python -m benchmarks.cifar_patches --data PATH --arms adamw,stiefel,rsgd \
         --out DIR                                 # the main arms only
+    python -m benchmarks.cifar_patches --set model.dim=128 --set epochs=30 \
+        --set sizes=1000 --out DIR                # another model, one n
     python -m benchmarks.cifar_patches ... --dry-run   # runs left, hours
     python -m benchmarks.cifar_patches ... --time-budget 9000  # stops itself
     python -m benchmarks.cifar_patches --report-only --out benchmarks/results/cifar \
@@ -30,7 +32,7 @@ seeds 0-7 and confirmation seeds 500-507 at every n, the other arms at 0-5
 and 500-505 at the largest n, all fixed before any run.
 
 The modules, as every experiment has them (config, arms, data, train,
-study, cli; the model is `benchmarks.models`' patch transformer):
+study, experiment; the model is `benchmarks.models`' patch transformer):
 
     config.py   `Config`, its presets (`PRESETS`: default, quick) and a
                 run's file name (`run_name`)
@@ -48,7 +50,8 @@ study, cli; the model is `benchmarks.models`' patch transformer):
     robustness.py  the learning-rate sweep (`benchmarks.sweep` on this
                 model: its grid, ratios and seeds, one run epoch by epoch
                 with its divergence stop, the report)
-    cli.py      the command line: plan and estimate, the runs, the report
+    experiment.py  the record the driver runs (`benchmarks.driver`): plan
+                and estimate, the runs, the report
 
 Run stores, identities (`harness.run_identity`) and the machine record are
 `benchmarks.harness`'s; the scanned epoch, the arm record and the shared
@@ -63,7 +66,7 @@ from benchmarks.cifar_patches.arms import (
     ARMS, BASE_KEYS, PER_HEAD, WHOLE_FRAME, frames_of, make_optimizer,
     qk_adamw, qk_frozen, qk_muon, qk_no_cap, qk_no_projection,
     qk_per_coordinate, qk_rsgd, qk_stiefel, qk_stiefel_muon, schedule)
-from benchmarks.cifar_patches.cli import main, parse_args
+from benchmarks.cifar_patches.experiment import EXPERIMENT, main
 from benchmarks.cifar_patches.config import PRESETS, Config, Task, run_name
 from benchmarks.cifar_patches.data import seed_stream, validation_split
 from benchmarks.cifar_patches.study import (GROUPS, MAIN_SEEDS, OTHER_SEEDS,
@@ -74,11 +77,11 @@ from benchmarks.cifar_patches.train import (Trainer, init_params,
                                             make_epoch_fn, make_eval_fn,
                                             normalize, orthonormal_start)
 
-__all__ = ["ARMS", "BASE_KEYS", "GROUPS", "MAIN_SEEDS", "OTHER_SEEDS",
+__all__ = ["ARMS", "BASE_KEYS", "EXPERIMENT", "GROUPS", "MAIN_SEEDS", "OTHER_SEEDS",
            "PER_HEAD", "PRESETS", "WHOLE_FRAME", "Bench", "Config", "Task",
            "Trainer", "describe", "estimate_text", "families", "frames_of",
            "init_params", "main", "make_epoch_fn", "make_eval_fn",
-           "make_optimizer", "normalize", "orthonormal_start", "parse_args",
+           "make_optimizer", "normalize", "orthonormal_start",
            "qk_adamw", "qk_frozen", "qk_muon", "qk_no_cap",
            "qk_no_projection", "qk_per_coordinate", "qk_rsgd", "qk_stiefel",
            "qk_stiefel_muon", "quick_groups", "run_name", "schedule",

@@ -1,7 +1,7 @@
-"""`python -m benchmarks.cifar_patches`: see the package docstring and
-`cli.main`."""
+"""`python -m benchmarks.cifar_patches`: `python -m benchmarks
+cifar_patches` (see the package docstring and `benchmarks.driver`)."""
 
-from benchmarks.cifar_patches import cli
+from benchmarks.cifar_patches import experiment
 
 if __name__ == "__main__":
-  cli.main()
+  experiment.main()

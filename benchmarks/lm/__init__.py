@@ -5,12 +5,12 @@ Stiefel attention optimizer and its alternatives as arms.
                                              # nanoGPT's small CPU config, seed 0
     python -m benchmarks.lm --probe 100      # time 100 steps, print the
                                              # projected wall time, then run
-    python -m benchmarks.lm --arms stiefel --seeds 100 --max-iters 500 \\
-        --stiefel-learning-rate 0.03,0.1 --max-step-norm 0.1
-                                             # a sweep (--max-iters sets
+    python -m benchmarks.lm --arms stiefel --seeds 100 --set max_iters=500 \\
+        --set stiefel_learning_rate=0.03,0.1 --set max_step_norm=0.1
+                                             # a sweep (max_iters sets
                                              # lr_decay_iters too)
     python -m benchmarks.lm --arms adamw,stiefel --seeds 0-2 \\
-        --stiefel-learning-rate 0.3 --max-step-norm 0.3   # paired seeds
+        --set stiefel_learning_rate=0.3 --set max_step_norm=0.3  # paired
     python -m benchmarks.lm --quick          # toy size, 2 arms, well under 60 s
     python -m benchmarks.lm --report-only --out benchmarks/results/lm \\
         --results-md benchmarks/RESULTS.md   # the committed tables and section
@@ -125,7 +125,7 @@ run in the folder; a study's report from its plan read against those runs
 (`study.study_state`).
 
 The modules, as every experiment has them (config, arms, data, model,
-train, study, cli), and the LM's timing and robustness sweep:
+train, study, experiment), and the LM's timing and robustness sweep:
 
     config.py      `Config` and its presets (`PRESETS`: cpu, gpu, quick),
                    a run's name
@@ -144,8 +144,8 @@ train, study, cli), and the LM's timing and robustness sweep:
                    study's time estimate with its printed line
     robustness.py  the learning-rate sweep (`SWEEPS`), its plan, runner and
                    report
-    cli.py         the command line: sweep, probe, study, robustness,
-                   report-only
+    experiment.py  the record the driver runs (`benchmarks.driver`):
+                   sweep, probe, study, robustness, report-only
 
 The model is `benchmarks.models.GPT`; run stores, identities and the
 machine record are `benchmarks.harness`'s; the resumable training loop,

@@ -1,6 +1,7 @@
-"""`python -m benchmarks.lm`: see the package docstring and `cli.main`."""
+"""`python -m benchmarks.lm`: `python -m benchmarks lm` (see the package
+docstring and `benchmarks.driver`)."""
 
-from benchmarks.lm import cli
+from benchmarks.lm import experiment
 
 if __name__ == "__main__":
-  cli.main()
+  experiment.main()

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import stiefel_optax as so
-from benchmarks import cifar_patches as cp, harness, stats
+from benchmarks import cifar_patches as cp, driver, harness, stats
 from benchmarks.cifar_patches import data as cifar_data
 from benchmarks import study as study_lib
 from benchmarks.models import PatchViTConfig, patchify
@@ -460,11 +460,15 @@ def test_seeds_identity_and_run_store(tmp_path, capsys):
   assert harness.format_seeds([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
   assert harness.parse_seeds(harness.format_seeds(range(500, 512))) == tuple(
       range(500, 512))
-  args = cp.parse_args(["--seeds", "500-511", "--other-seeds", "500,501"])
-  assert args.seeds == tuple(range(500, 512)) and args.other_seeds == (500, 501)
+  opts = driver.parse(cp.EXPERIMENT, ["--seeds", "500-511", "--set",
+                                      "other_seeds=500,501", "--set",
+                                      "model.dim=32"])
+  cfg, plan = cp.experiment.configure(opts)
+  assert opts.seeds == tuple(range(500, 512)) and plan.other_seeds == (500, 501)
+  assert cfg.model.dim == 32 and cfg.epochs == cp.PRESETS["default"].epochs
   capsys.readouterr()
   with pytest.raises(SystemExit, match="^2$"):   # argparse's error exit
-    cp.parse_args(["--seeds", "x"])
+    driver.parse(cp.EXPERIMENT, ["--seeds", "x"])
   assert ("argument --seeds: seeds: 'x' is not a list or range of seeds"
           in capsys.readouterr().err)
   # identity: content only; the version enters, paths never do

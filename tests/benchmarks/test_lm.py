@@ -21,14 +21,14 @@ import pytest
 
 import stiefel_optax as so
 import benchmarks.lm.arms
-import benchmarks.lm.cli
+import benchmarks.lm.experiment
 import benchmarks.lm.config
 import benchmarks.lm.data
 import benchmarks.lm.model
 import benchmarks.lm.study
 import benchmarks.lm.timing
 import benchmarks.lm.train
-from benchmarks import harness, lm, stats, study as study_lib, training
+from benchmarks import driver, harness, lm, stats, study as study_lib, training
 from benchmarks.reports import lm as report_lib
 from tests.helpers import ROOT
 
@@ -197,7 +197,7 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
   numbers."""
   out, md = tmp_path / "lm", tmp_path / "RESULTS.md"
   md.write_text("# Benchmark results\n\n## Grokking\n\nother text\n")
-  rep = lm.cli.main(["--study", "--quick", "--out", str(out), "--results-md",
+  rep = lm.experiment.main(["--study", "--quick", "--out", str(out), "--results-md",
                  str(md)])
   printed = capsys.readouterr().out
   assert printed.startswith("study: 17 runs to do (1 reference, 4 tuning")
@@ -261,12 +261,12 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
   # same bytes from the raw runs
   files = {p.name: p.read_bytes() for p in (out / "runs").iterdir()}
   table_bytes = (out / "table.md").read_bytes()
-  lm.cli.main(["--study", "--quick", "--out", str(out), "--quiet"])
+  lm.experiment.main(["--study", "--quick", "--out", str(out), "--quiet"])
   assert {p.name: p.read_bytes() for p in (out / "runs").iterdir()} == files
-  lm.cli.main(["--study", "--quick", "--report-only", "--out", str(out),
+  lm.experiment.main(["--study", "--quick", "--report-only", "--out", str(out),
            "--quiet"])
   assert (out / "table.md").read_bytes() == table_bytes
-  assert lm.cli.main(["--study", "--quick", "--dry-run", "--out", str(out),
+  assert lm.experiment.main(["--study", "--quick", "--dry-run", "--out", str(out),
                   "--quiet"])["estimate"]["total_runs"] == 0
   # stopped after step 20 (saved at 10), then resumed: the same numbers
   rec = next(r for r in stiefel if r["seed"] == 500)
@@ -300,7 +300,7 @@ def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
                               "min_lr": 3e-4})
   for seed in (0, 1):
     lm.train.train_run(moved, seed, corpus, out, log=lambda *_: None)
-  rep = lm.cli.main(["--report-only", "--out", str(out), "--quiet"])
+  rep = lm.experiment.main(["--report-only", "--out", str(out), "--quiet"])
   assert "Tuning grid of adamw:" in rep["table"]
   checks = rep["study"]["baseline_checks"]
   assert [c["block"] for c in checks] == ["discovery", "confirmation"]
@@ -450,16 +450,19 @@ def test_study_plan_is_fair_ordered_and_reuses_committed_runs():
 
 
 def test_default_output_is_git_ignored():
-  args = lm.cli.parse_args(["--quick"])
+  def parse(*argv):
+    return driver.parse(lm.experiment.EXPERIMENT, argv)
+
+  args = parse("--quick")
   assert args.out is None
   assert harness.default_out("lm") == harness.RUNS_ROOT / "lm"
-  assert [c.arm for c in lm.cli.configs(args)] == ["adamw", "stiefel"]
-  with pytest.raises(SystemExit, match="drop --seeds, --learning-rate"):
-    lm.cli.check_study_args(lm.cli.parse_args(["--study", "--seeds", "0",
-                                       "--learning-rate", "0.01"]))
-  swept = lm.cli.configs(lm.cli.parse_args(["--arms", "adamw,stiefel",
-                                    "--stiefel-learning-rate", "0.01,0.1",
-                                    "--max-iters", "500"]))
+  assert [c.arm for c in lm.experiment.configs(args)] == ["adamw", "stiefel"]
+  with pytest.raises(SystemExit, match="drop --seeds, --set learning_rate"):
+    lm.experiment.check_study_args(parse("--study", "--seeds", "0", "--set",
+                                         "learning_rate=0.01"))
+  swept = lm.experiment.configs(parse(
+      "--arms", "adamw,stiefel", "--set", "stiefel_learning_rate=0.01,0.1",
+      "--set", "max_iters=500"))
   assert [(c.arm, c.stiefel_learning_rate, c.lr_decay_iters)
           for c in swept] == [("adamw", 0.3, 500), ("stiefel", 0.01, 500),
                               ("stiefel", 0.1, 500)]

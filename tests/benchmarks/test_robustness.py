@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import benchmarks.lm.cli
+import benchmarks.lm.experiment
 from benchmarks import lm, training
 from benchmarks.lm import robustness
 from benchmarks.reports import robustness as report_lib
@@ -40,7 +40,7 @@ def test_quick_sweep_runs_diverges_resumes_and_reports(tmp_path, capsys):
   out, md = tmp_path / "rob", tmp_path / "RESULTS.md"
   md.write_text("# Benchmark results\n\n## Grokking\n\nother text\n")
   data = corpus_args(tmp_path)
-  rep = lm.cli.main(["--robustness", "--quick", "--out", str(out),
+  rep = lm.experiment.main(["--robustness", "--quick", "--out", str(out),
                      "--results-md", str(md), *data])
   printed = capsys.readouterr().out
   sweep = robustness.QUICK_SWEEP
@@ -93,15 +93,15 @@ def test_quick_sweep_runs_diverges_resumes_and_reports(tmp_path, capsys):
   assert (out / "robustness_logits.png").is_file()
   # a rerun trains nothing; --report-only gives the same bytes
   before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-  lm.cli.main(["--robustness", "--quick", "--out", str(out), "--quiet",
+  lm.experiment.main(["--robustness", "--quick", "--out", str(out), "--quiet",
                *data])
-  lm.cli.main(["--robustness", "--quick", "--report-only", "--out",
+  lm.experiment.main(["--robustness", "--quick", "--report-only", "--out",
                str(out), "--quiet", "--results-md", str(md)])
   after = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
   assert after == before
   assert md.read_text() == text   # the section rewritten whole, once
   with pytest.raises(SystemExit, match="--robustness fixes"):
-    lm.cli.main(["--robustness", "--quick", "--arms", "adamw"])
+    lm.experiment.main(["--robustness", "--quick", "--arms", "adamw"])
 
 
 def test_grid_extends_while_adamw_finishes_its_top_point():
@@ -211,7 +211,7 @@ def test_cifar_quick_sweep_diverges_resumes_and_reports(tmp_path, capsys):
   path: every arm finishes at 0.01 and diverges at 30 (stopped there,
   counted at L0), so the grid does not extend; the Stiefel run records its
   cap; a rerun trains nothing; --report-only gives the same bytes."""
-  from benchmarks.cifar_patches import cli as cifar_cli
+  from benchmarks.cifar_patches import experiment as cifar_cli
   from benchmarks.cifar_patches import robustness as cifar_rob
   out, md = tmp_path / "rob", tmp_path / "RESULTS.md"
   md.write_text("# Benchmark results\n\n## Grokking\n\nother text\n")
@@ -290,11 +290,11 @@ def test_committed_sweep_reports_regenerate_without_the_data(bench,
   data id is read)."""
   import shutil
   from benchmarks import harness
-  from benchmarks.cifar_patches import cli as cifar_cli
+  from benchmarks.cifar_patches import experiment as cifar_cli
   folder = {"lm": "lm_robustness", "cifar_patches": "cifar_robustness"}[bench]
   src, out = harness.REFERENCE_ROOT / folder, tmp_path / folder
   shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.npz", "*.claim"))
-  main = {"lm": lm.cli.main, "cifar_patches": cifar_cli.main}[bench]
+  main = {"lm": lm.experiment.main, "cifar_patches": cifar_cli.main}[bench]
   main(["--robustness", "--report-only", "--out", str(out), "--data",
         str(tmp_path / "absent")] + (["--quiet"] if bench == "lm" else []))
   for f in sorted(src.glob("robustness*")):
