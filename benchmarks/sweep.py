@@ -29,10 +29,11 @@ robustness`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from typing import Callable, Mapping, Optional, Sequence
 
-from benchmarks import harness, study as study_lib
+from benchmarks import driver, harness, study as study_lib
 
 # A run's name from its task (arm, eta, seed).
 Names = Callable[[tuple], str]
@@ -271,3 +272,89 @@ def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
   finally:
     if claims is not None:   # the claim of a run a time budget stopped
       claims.drop()
+
+
+# --------------------------------------------------------------------------
+# The command: one flow for every experiment's sweep (`--robustness`).
+
+
+def rows(sweep: Sweep, done: Mapping, name: Names) -> list:
+  """The sweep's finished runs as rows {arm, eta, seed, record} (what
+  `benchmarks.reports.robustness.report` reads)."""
+  return runs(tasks(sweep, done, name), done, name)
+
+
+def saved(out: pathlib.Path) -> dict:
+  """{name: record} of out's finished runs under any numerics version
+  (what a report reads)."""
+  return harness.finished_runs(harness.RunStore(out).records(),
+                               current_version=False)
+
+
+def figures(out: pathlib.Path, results_md: Optional[pathlib.Path]) -> str:
+  """The folder of out's plots as the RESULTS.md at results_md sees it
+  ('' without one)."""
+  if results_md is None:
+    return ""
+  return pathlib.Path(os.path.relpath(
+      out.resolve(), pathlib.Path(results_md).resolve().parent)).as_posix() + "/"
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+  """An experiment's side of its sweep, handed to `main`: its sweeps
+  (`full`, `quick`: a `Sweep` with a `base` configuration), the default
+  results folder (runs/<folder>, `_quick` added), its RESULTS.md heading,
+  names(sweep, data_id) -> `Names`, prepare(sweep, out, opts) -> (data_id,
+  execute, the other keyword arguments of `run`: describe, expected_s,
+  desc, plan), and report(sweep, preset, out, data_id, results_md) -> dict
+  with its RESULTS.md section (data_id None: the one the runs record)."""
+  sweeps: Mapping
+  folder: str
+  section: str
+  names: Callable
+  prepare: Callable
+  report: Callable
+
+
+def configure(bench: Bench, opts) -> Sweep:
+  """The preset's sweep, its arms narrowed by --arms (the reference, its
+  first, kept first) and its base configuration changed by --set (each
+  run's name follows its configuration, so a changed base is another
+  sweep's runs); its seeds are fixed."""
+  sweep = bench.sweeps["quick" if opts.quick else "full"]
+  if opts.arms:
+    arms = tuple(opts.arms.split(","))
+    unknown = [a for a in arms if a not in sweep.arms]
+    if unknown or arms[0] != sweep.arms[0]:
+      raise SystemExit(f"--arms: a list of {', '.join(sweep.arms)} that"
+                       f" starts with the reference {sweep.arms[0]}.")
+    sweep = dataclasses.replace(sweep, arms=arms)
+  if opts.overrides:
+    sweep = dataclasses.replace(
+        sweep, base=driver.override(sweep.base, opts.overrides))
+  return sweep
+
+
+def main(bench: Bench, opts) -> dict:
+  """--robustness: the sweep's runs (unless --report-only; `run`, with
+  --worker, --time-budget and --dry-run), then its report, and its
+  RESULTS.md section with --results-md."""
+  driver.refuse(opts, "--robustness", "its SWEEP", ("seeds", "hp_from"))
+  sweep, preset = configure(bench, opts), "quick" if opts.quick else "full"
+  out = opts.out or harness.default_out(bench.folder + "_quick" * opts.quick)
+  if opts.note:
+    harness.write_text(out / "notes.md", opts.note.strip() + "\n")
+  data_id = None      # --report-only: the one its runs record
+  if not opts.report_only:
+    data_id, execute, kwargs = bench.prepare(sweep, out, opts)
+    run(sweep, out, bench.names(sweep, data_id), execute,
+        worker=opts.worker, time_budget=opts.time_budget, log=opts.log,
+        dry_run=opts.dry_run, **kwargs)
+    if opts.dry_run:
+      return {}
+  rep = bench.report(sweep, preset, out, data_id, opts.results_md)
+  if opts.results_md:
+    harness.write_section(opts.results_md, bench.section, rep["section"])
+  opts.log(f"results: {harness.portable(out)}")
+  return rep

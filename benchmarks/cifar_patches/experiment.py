@@ -10,11 +10,10 @@ import dataclasses
 import json
 import time
 
-from benchmarks import driver, harness, study as study_lib
+from benchmarks import driver, harness, study as study_lib, sweep as sweep_lib
 from benchmarks.cifar_patches import data as cifar_data, robustness
 from benchmarks.cifar_patches.arms import ARMS
 from benchmarks.cifar_patches.config import PRESETS
-from benchmarks.cifar_patches.train import Trainer
 from benchmarks.cifar_patches.study import (GROUPS, MAIN_SEEDS, OTHER_SEEDS,
                                             Bench, describe, estimate_text,
                                             families, quick_groups)
@@ -39,7 +38,7 @@ def configure(opts: driver.Options) -> tuple:
 
 def run(opts: driver.Options) -> dict:
   if opts.robustness:
-    return run_robustness(opts)
+    return sweep_lib.main(robustness.BENCH, opts)
   if opts.worker:
     raise SystemExit("--worker shares the runs of --robustness; add it.")
   cfg, plan = configure(opts)
@@ -89,37 +88,6 @@ def run(opts: driver.Options) -> dict:
                              data.source)
   print(f"results: {out}")
   return summary
-
-
-def run_robustness(opts: driver.Options) -> dict:
-  """--robustness: the sweep's runs (unless --report-only), then its report
-  (and its RESULTS.md section with --results-md)."""
-  driver.refuse(opts, "--robustness",
-                "benchmarks/cifar_patches/robustness.py SWEEP",
-                ("arms", "seeds", "hp_from", "set"))
-  name = "quick" if opts.quick else "full"
-  sweep = robustness.SWEEPS[name]
-  out = opts.out or harness.default_out(
-      "cifar_robustness" + "_quick" * opts.quick)
-  data_id = None      # --report-only: the one its runs record
-  if not opts.report_only:
-    data = (cifar_data.synthetic(448, sweep.base.val_size) if opts.quick
-            else cifar_data.load_cifar10(opts.data,
-                                         download_missing=opts.download))
-    data_id = data.source
-    robustness.run_robustness(
-        sweep, Trainer(data, sweep.base), out,
-        command=opts.command,
-        time_budget=opts.time_budget, dry_run=opts.dry_run,
-        worker=opts.worker)
-    if opts.dry_run:
-      return {}
-  rep = robustness.robustness_report(out, name, data_id, opts.results_md)
-  if opts.results_md:
-    harness.write_section(opts.results_md, robustness.SECTION,
-                          rep["section"])
-  print(f"results: {out}")
-  return rep
 
 
 EXPERIMENT = driver.Experiment(

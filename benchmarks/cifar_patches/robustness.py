@@ -5,8 +5,9 @@ learning rate eta of its AdamW-trained weights, its Q/K rate and cap
 moving with eta by the CIFAR study's ratios; each run trained on the
 tuning pool and scored on the validation split after every epoch, stopped
 where it diverges. Here: the sweeps (`SWEEPS`), a point's hyperparameters
-(`point`), a run's name and its training (`train_run`), the runner
-(`run_robustness`) and the report (`robustness_report`).
+(`point`), a run's name and its training (`train_run`), and what the
+sweep's command (`benchmarks.sweep.main`) is handed (`BENCH`): the runs'
+training (`prepare`) and the report (`robustness_report`).
 
 >>> point(SWEEP, "stiefel", 1e-3)
 ({'lr': 1.11, 'cap': 0.01}, {'lr': 0.001, 'weight_decay': 0.25})
@@ -17,9 +18,8 @@ where it diverges. Here: the sweeps (`SWEEPS`), a point's hyperparameters
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
-from typing import Mapping, Optional
+from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +28,7 @@ import stiefel_optax as so
 from benchmarks import harness, sweep as sweep_lib, training
 from benchmarks.cifar_patches.arms import ARMS, frames_of
 from benchmarks.cifar_patches.config import DEFAULT, QUICK, Config
+from benchmarks.cifar_patches import data as cifar_data
 from benchmarks.cifar_patches.data import seed_stream
 from benchmarks.cifar_patches.train import Trainer, init_params
 from benchmarks.reports import robustness as report_lib
@@ -158,19 +159,18 @@ def json_value(x):
   return v if np.isfinite(v) else None
 
 
-def sweep_runs(sweep: Sweep, done: Mapping, data_id: str) -> list:
-  """The sweep's finished runs as rows {arm, eta, seed, record}."""
-  name = names(sweep, data_id)
-  return sweep_lib.runs(sweep_lib.tasks(sweep, done, name), done, name)
+# --------------------------------------------------------------------------
+# CIFAR's side of the sweep's command (`benchmarks.sweep.main`).
 
 
-def run_robustness(sweep: Sweep, trainer: Trainer, out: pathlib.Path, *,
-                   command: str = "", log=print, time_budget: float = 0.0,
-                   dry_run: bool = False, worker: Optional[str] = None) -> int:
-  """`benchmarks.sweep.run` of the sweep's runs, each trained by
-  `train_run`, its expected time the median of out's finished runs'.
-  Returns the number of runs trained (dry_run: none)."""
-  store = harness.RunStore(out)
+def prepare(sweep: Sweep, out: pathlib.Path, opts) -> tuple:
+  """(data_id, execute, run's other arguments) of the sweep on the data
+  (--quick: synthetic images; else --data, --download): each run trained
+  by `train_run`, its expected time the median of out's finished runs'."""
+  data = (cifar_data.synthetic(448, sweep.base.val_size) if opts.quick
+          else cifar_data.load_cifar10(opts.data,
+                                       download_missing=opts.download))
+  trainer, store = Trainer(data, sweep.base), harness.RunStore(out)
 
   def expected_s(_task) -> Optional[float]:
     walls = [r["wall_s"] for r in store.records() if r.get("final")]
@@ -181,37 +181,31 @@ def run_robustness(sweep: Sweep, trainer: Trainer, out: pathlib.Path, *,
     return (f"{rec['name']}: val loss {f['val_loss']}, acc {f['val_acc']},"
             f" {rec['wall_s']:.0f}s" + sweep_lib.stopped_text(rec))
 
-  return sweep_lib.run(
-      sweep, out, names(sweep, trainer.data_id),
-      lambda t: train_run(trainer, sweep, t, out, command=command, log=log),
-      describe=describe, expected_s=expected_s, desc="cifar robustness",
-      worker=worker, time_budget=time_budget, log=log, dry_run=dry_run)
+  return data.source, lambda t: train_run(
+      trainer, sweep, t, out, command=opts.command, log=opts.log), dict(
+          describe=describe, expected_s=expected_s, desc="cifar robustness")
 
 
-def robustness_report(out: pathlib.Path, name: str,
+def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
                       data_id: Optional[str] = None,
                       results_md: Optional[pathlib.Path] = None) -> dict:
   """`benchmarks.reports.robustness.report` of out's runs of the sweep on
   the data `data_id` (None: the data the runs record,
   `harness.recorded_data`; its plots linked from results_md's folder)."""
-  sweep = SWEEPS[name]
-  done = harness.finished_runs(harness.RunStore(out).records(),
-                               current_version=False)
+  done = sweep_lib.saved(out)
   data_id = data_id or harness.recorded_data(done.values()) or ""
   name_of = names(sweep, data_id)
   m = sweep.base.model
   return report_lib.report(
-      out, sweep_runs(sweep, done, data_id), plan=PLAN,
+      out, sweep_lib.rows(sweep, done, name_of), plan=PLAN,
       grid=sweep_lib.grid(sweep, done, name_of), seeds=sweep.seeds,
       left=len(sweep_lib.remaining(sweep, done, name_of)),
-      figures="" if results_md is None else pathlib.Path(os.path.relpath(
-          out.resolve(), pathlib.Path(results_md).resolve().parent
-      )).as_posix() + "/",
+      figures=sweep_lib.figures(out, results_md),
       heading=SECTION, title="CIFAR", loss_key="val_loss",
       loss_text=f"validation loss on the {sweep.base.val_size:,}-image"
       " validation split",
       setting=(
-          f"The CIFAR study's {'toy' if name == 'quick' else 'main'}"
+          f"The CIFAR study's {'toy' if preset == 'quick' else 'main'}"
           f" configuration (patch ViT d {m.dim}, {m.heads} heads, depth"
           f" {m.depth}, batch {sweep.base.batch}, {sweep.base.epochs}"
           f" epochs), trained on the tuning pool and scored on the"
@@ -219,3 +213,8 @@ def robustness_report(out: pathlib.Path, name: str,
           f" {sweep.weight_decay:g}; an arm's Q/K rates move with eta by its"
           f" study ratio ({', '.join(f'{a} {k} = {r:g} eta' for a, d in sweep.ratios.items() if a in sweep.arms for k, r in d.items())});"
           " adamw and qk_norm train every weight at eta."))
+
+
+BENCH = sweep_lib.Bench(sweeps=SWEEPS, folder="cifar_robustness",
+                        section=SECTION, names=names, prepare=prepare,
+                        report=robustness_report)

@@ -12,7 +12,8 @@ import pathlib
 import time
 from typing import Mapping, Optional
 
-from benchmarks import driver, harness, study as study_lib, training
+from benchmarks import (driver, harness, study as study_lib, sweep as sweep_lib,
+                        training)
 from benchmarks.lm.arms import ARMS
 from benchmarks.lm.config import PRESETS, Config, check_config, run_name
 from benchmarks.lm.data import Corpus, default_data, load_corpus
@@ -55,14 +56,13 @@ def configs(opts: driver.Options) -> list:
 
 
 def check_study_args(opts: driver.Options) -> None:
-  """--study and --robustness fix their arms, seeds and settings: refuse
-  options that would quietly change them."""
+  """--study fixes its arms, seeds and settings: refuse options that would
+  quietly change them (--robustness: `benchmarks.sweep.configure`)."""
   if opts.study and opts.robustness:
     raise SystemExit("give one of --study and --robustness.")
-  flag, where = (("--robustness", "benchmarks/lm/robustness.py SWEEP")
-                 if opts.robustness else
-                 ("--study", "benchmarks/lm/study.py STUDY"))
-  driver.refuse(opts, flag, where, ("arms", "seeds", "preset", "set"))
+  if opts.study:
+    driver.refuse(opts, "--study", "benchmarks/lm/study.py STUDY",
+                  ("arms", "seeds", "preset", "set"))
 
 
 def train_sweep(opts: driver.Options, corpus: Corpus, out: pathlib.Path,
@@ -173,34 +173,17 @@ def run(opts: driver.Options) -> dict:
   log = opts.log
   if opts.worker and not opts.robustness:
     raise SystemExit("--worker shares the runs of --robustness; add it.")
-  study = None
-  if opts.study or opts.robustness:
-    check_study_args(opts)
-    study = "quick" if opts.quick else "full"
-  folder = ("lm" if study is None else
-            f"lm_{'robustness' if opts.robustness else 'study'}"
-            f"{'_quick' * opts.quick}")
+  check_study_args(opts)
+  if opts.robustness:
+    with training.toy_compiler(opts.quick):
+      return sweep_lib.main(robustness.BENCH, opts)
+  study = ("quick" if opts.quick else "full") if opts.study else None
+  folder = "lm" if study is None else "lm_study" + "_quick" * opts.quick
   out = opts.out or (REFERENCE_DIR if opts.report_only and opts.results_md
                      else harness.default_out(folder))
   if opts.note:
     harness.write_text(out / "notes.md", opts.note.strip() + "\n")
   with training.toy_compiler(opts.quick):
-    if opts.robustness:
-      if not opts.report_only:
-        robustness.run_robustness(
-            robustness.SWEEPS[study],
-            load_corpus(str(opts.data or default_data())), out,
-            command=opts.command, log=log,
-            time_budget=opts.time_budget, dry_run=opts.dry_run,
-            worker=opts.worker)
-        if opts.dry_run:
-          return {}
-      rep = robustness.robustness_report(out, study, opts.results_md)
-      if opts.results_md:
-        harness.write_section(opts.results_md, robustness.SECTION,
-                              rep["section"])
-      log(rep["markdown"])
-      return rep
     if not opts.report_only:
       corpus = load_corpus(str(opts.data or default_data()))
       if study is None:

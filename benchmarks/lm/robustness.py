@@ -7,8 +7,10 @@ that diverges is stopped, kept and counted at its initial loss. The sweep
 itself (grid and extension, seed-major order, what is left, worker shares,
 the runner) is `benchmarks.sweep`'s; here its LM side: the sweep (`Sweep`,
 its presets `SWEEPS`), each point's configuration and run name, the
-claims' runs after the sweep, the runner's LM pieces (`run_robustness`)
-and the report (`robustness_report`: `benchmarks.reports.robustness`).
+claims' runs after the sweep, and what the sweep's command
+(`benchmarks.sweep.main`) is handed (`BENCH`): the runs' training
+(`prepare`) and the report (`robustness_report`:
+`benchmarks.reports.robustness`).
 
 >>> c = sweep_config(SWEEP, "stiefel", 1e-3)
 >>> c.learning_rate, c.min_lr, c.stiefel_learning_rate, c.max_step_norm
@@ -20,13 +22,12 @@ True
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 from typing import Mapping, Optional
 
 from benchmarks import harness, sweep as sweep_lib
 from benchmarks.lm.config import CPU, QUICK, Config, run_name
-from benchmarks.lm.data import Corpus
+from benchmarks.lm.data import default_data, load_corpus
 from benchmarks.lm.study import REFERENCE_DIR, point_config, study_data
 from benchmarks.lm.timing import iteration_rates, run_seconds
 from benchmarks.lm.train import train_run
@@ -136,7 +137,7 @@ def eta_high(curve: Mapping) -> float:
 def claim_plan(sweep: Sweep, done: Mapping, data_id: str) -> dict:
   """{"best": {arm: its best sweep eta}, "high": eta_high} on the tuning
   seeds (the sweep complete)."""
-  cs = report_lib.curves(sweep_runs(sweep, done, data_id))
+  cs = report_lib.curves(sweep_lib.rows(sweep, done, names(sweep, data_id)))
   return dict(best={a: report_lib.summary(cs[a])["best_eta"]
                     for a in sweep.arms},
               high=eta_high(cs[sweep.arms[0]]))
@@ -170,67 +171,59 @@ def claim_runs(sweep: Sweep, done: Mapping, data_id: str) -> dict:
   return out
 
 
-def sweep_runs(sweep: Sweep, done: Mapping, data_id: str) -> list:
-  """The sweep's finished runs as rows {arm, eta, seed, record}."""
-  name = names(sweep, data_id)
-  return sweep_lib.runs(sweep_lib.tasks(sweep, done, name), done, name)
-
-
 # --------------------------------------------------------------------------
-# The runner and the report.
+# The LM's side of the sweep's command (`benchmarks.sweep.main`).
 
 
-def run_robustness(sweep: Sweep, corpus: Corpus,
-                   out: pathlib.Path, *, command: str = "", log=print,
-                   time_budget: float = 0.0, dry_run: bool = False,
-                   worker: Optional[str] = None) -> int:
-  """`benchmarks.sweep.run` of the sweep's and then the claims' runs
-  (`remaining`), each trained by `train_run`, its expected time from the
-  iteration rates of out's runs, else of the study's of the same size.
-  Returns the number of runs trained (dry_run: none)."""
+def prepare(sweep: Sweep, out: pathlib.Path, opts) -> tuple:
+  """(data_id, execute, run's other arguments) of the sweep on the corpus
+  (--data): each run trained by `train_run`, its expected time from the
+  iteration rates of out's runs, else of the study's of the same size; the
+  claims' runs after the sweep (`remaining`)."""
+  corpus = load_corpus(str(opts.data or default_data()))
   rates = {**iteration_rates(harness.RunStore(REFERENCE_DIR).records()),
            **iteration_rates(harness.RunStore(out).records())}
 
   def execute(task) -> dict:
     return train_run(sweep_config(sweep, task[0], task[1]),
-                     task[2], corpus, out, command=command, log=log)
+                     task[2], corpus, out, command=opts.command, log=opts.log)
 
   def describe(task, rec: dict) -> str:
     return (f"{rec['name']} (eta {task[1]:g}): val (whole split)"
             f" {rec['final']['val_loss_full']}, {rec['wall_s']:.0f} s"
             + sweep_lib.stopped_text(rec))
 
-  return sweep_lib.run(
-      sweep, out, names(sweep, corpus.data_id), execute,
+  return corpus.data_id, execute, dict(
       plan=lambda done: remaining(sweep, done, corpus.data_id),
       describe=describe, desc="lm robustness",
       expected_s=lambda t: run_seconds(
-          sweep_config(sweep, t[0], t[1]), rates),
-      worker=worker, time_budget=time_budget, log=log, dry_run=dry_run)
+          sweep_config(sweep, t[0], t[1]), rates))
 
 
-def robustness_report(out: pathlib.Path, name: str,
+def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
+                      data_id: Optional[str] = None,
                       results_md: Optional[pathlib.Path] = None) -> dict:
   """`benchmarks.reports.robustness.report` of out's runs of the sweep
   (its plots linked from results_md's folder in the section)."""
-  sweep = SWEEPS[name]
-  done = harness.finished_runs(harness.RunStore(out).records(),
-                               current_version=False)
+  done = sweep_lib.saved(out)
   data_id = study_data(done.values())
   cfg = sweep.base
   return report_lib.report(
-      out, sweep_runs(sweep, done, data_id),
+      out, sweep_lib.rows(sweep, done, names(sweep, data_id)),
       plan="benchmarks/results/lm/robustness_plan.md",
       grid=grid(sweep, done, data_id), seeds=sweep.seeds,
       left=len(remaining(sweep, done, data_id)),
       claims=claim_runs(sweep, done, data_id),
-      figures="" if results_md is None else pathlib.Path(os.path.relpath(
-          out.resolve(), pathlib.Path(results_md).resolve().parent
-      )).as_posix() + "/",
+      figures=sweep_lib.figures(out, results_md),
       heading=SECTION, setting=(
-          f"nanoGPT's {'toy' if name == 'quick' else 'CPU'} configuration"
+          f"nanoGPT's {'toy' if preset == 'quick' else 'CPU'} configuration"
           f" ({cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head} heads,"
           f" {cfg.max_iters} iterations, weight decay {cfg.weight_decay}),"
           f" corpus {data_id}; an arm's Q/K rates move with eta by its"
           f" study ratio ({', '.join(f'{a} {k} = {r:g} eta' for a, d in sweep.ratios.items() if a in sweep.arms for k, r in d.items())};"
           f" stiefel's cap {sweep.cap_ratio:g} x its Q/K lr)."))
+
+
+BENCH = sweep_lib.Bench(sweeps=SWEEPS, folder="lm_robustness",
+                        section=SECTION, names=names, prepare=prepare,
+                        report=robustness_report)

@@ -101,7 +101,30 @@ def test_quick_sweep_runs_diverges_resumes_and_reports(tmp_path, capsys):
   assert after == before
   assert md.read_text() == text   # the section rewritten whole, once
   with pytest.raises(SystemExit, match="--robustness fixes"):
-    lm.experiment.main(["--robustness", "--quick", "--arms", "adamw"])
+    lm.experiment.main(["--robustness", "--quick", "--seeds", "5"])
+
+
+def test_a_sweep_of_another_width_is_its_own_runs():
+  """--robustness with --arms (the reference first) and --set (the base
+  configuration): the same sweep at another width, under other run names;
+  its seeds stay fixed."""
+  from benchmarks import driver, sweep as sweep_lib
+  parse = lambda *a: driver.parse(lm.experiment.EXPERIMENT, ["--robustness",
+                                                             *a])
+  wide = sweep_lib.configure(robustness.BENCH, parse(
+      "--arms", "adamw,stiefel,stiefel_muon,qk_norm", "--set", "n_embd=256",
+      "--set", "n_head=8"))
+  assert wide.arms == ("adamw", "stiefel", "stiefel_muon", "qk_norm")
+  assert (wide.base.n_embd, wide.base.n_head) == (256, 8)   # head_dim 32
+  assert wide.seeds == robustness.SWEEP.seeds
+  assert wide.base.max_iters == robustness.SWEEP.base.max_iters
+  task = ("stiefel", 1e-3, 100)
+  assert robustness.sweep_config(wide, *task[:2]).n_embd == 256
+  assert (robustness.task_name(wide, task, "d")
+          != robustness.task_name(robustness.SWEEP, task, "d"))
+  for bad in (["--arms", "stiefel,adamw"], ["--set", "width=3"]):
+    with pytest.raises(SystemExit, match="reference adamw|not a setting"):
+      sweep_lib.configure(robustness.BENCH, parse(*bad))
 
 
 def test_grid_extends_while_adamw_finishes_its_top_point():
@@ -242,7 +265,7 @@ def test_cifar_quick_sweep_diverges_resumes_and_reports(tmp_path, capsys):
                   str(out)])
   assert (out / "robustness.md").read_bytes() == report
   with pytest.raises(SystemExit, match="--robustness fixes"):
-    cifar_cli.main(["--robustness", "--quick", "--arms", "adamw"])
+    cifar_cli.main(["--robustness", "--quick", "--seeds", "5"])
 
 
 def test_a_worker_done_with_its_share_takes_the_others_unstarted_runs(
