@@ -211,3 +211,72 @@ def test_bad_selector_values_name_the_path(linen_params):
   state = so.stiefel_attention(LR, frames={"query/kernel$": so.FrameSpec(
       rows=0, cols=2)}).init(linen_params)
   assert len(leaves_by_path(frame_adam_states(state)[0].nu)) == 1
+
+
+# --------------------------------------------------------------------------
+# Named axes (Haliax, penzai): a FrameSpec by names, resolved per leaf.
+
+
+def test_named_spec_resolves_against_each_leafs_names():
+  spec = so.FrameSpec(rows="embed", cols="head_size")
+  assert spec.named and repr(spec) == "FrameSpec(rows='embed', cols='head_size')"
+  # Haliax (embed, heads, head_size) and Levanter's stacked GQA out_first.
+  assert spec.resolve(("embed", "heads", "head_size")) == so.FrameSpec(
+      rows=0, cols=2)
+  assert spec.resolve(("layers", "kv_heads", "q_heads_per_group",
+                       "head_size", "embed")) == so.FrameSpec(rows=4, cols=3)
+  # Unnamed (positional) axes are batch axes; heads and parts are kept.
+  fused = so.FrameSpec(rows="d", cols="qkv", parts=3, take=(0, 1),
+                       part_axis="qkv", heads=2)
+  assert fused.resolve((None, "d", "qkv")) == so.FrameSpec(
+      rows=1, cols=2, parts=3, take=(0, 1), part_axis=2, heads=2)
+  positional = so.FrameSpec(rows=0, cols=1)
+  assert positional.resolve(("a", "b")) is positional and not positional.named
+  with pytest.raises(ValueError, match=(
+      r"q: FrameSpec\(rows='embed', cols='head_size'\) names axis 'embed',"
+      r" but the leaf's axes are \('heads', 'head_size'\) \(no such name\)")):
+    spec.resolve(("heads", "head_size"), "q")
+  with pytest.raises(ValueError, match=r"names axis 'embed', but the leaf's"
+                     r" axes are \('embed', 'embed', 'head_size'\)\. Pass"):
+    spec.resolve(("embed", "embed", "head_size"))
+  with pytest.raises(ValueError, match=r"names its axes; resolve it"):
+    spec.frame_shape((4, 2))
+  with pytest.raises(ValueError, match=r"mixes axis names and positions"):
+    so.FrameSpec(rows="embed", cols=-1)
+  with pytest.raises(ValueError, match=r"axes must be ints"):
+    so.FrameSpec(rows=(1.5,), cols=0)
+
+
+def test_path_str_drops_a_keyless_nodes_only_child_index():
+  """Haliax's NamedArray (registered without keys, one child): its array's
+  path ends in FlattenedIndexKey(0), which is dropped; a list's index is
+  not."""
+  import haliax as hax
+  w = hax.zeros((hax.Axis("embed", 8), hax.Axis("head_size", 4)))
+  tree = {"q_proj": {"weight": w}, "layers": [jnp.zeros(2)]}
+  paths = [so.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+  assert paths == ["layers/0", "q_proj/weight"]
+  assert so.specs.axis_names(tree) == {"q_proj/weight": ("embed", "head_size")}
+  assert so.selected_frames(tree, {"q_proj": so.FrameSpec(
+      rows="embed", cols="head_size")}) == {
+          "q_proj/weight": so.FrameSpec(rows=0, cols=1)}
+
+
+def test_penzai_views_and_positional_axes_give_their_names():
+  from penzai import pz
+  a = pz.nx.wrap(jnp.zeros((3, 8, 2, 4))).tag_prefix("embedding")
+  assert so.specs.axis_names({"w": a}) == {
+      "w/data_array": ("embedding", None, None, None)}
+  b = pz.nx.wrap(jnp.zeros((8, 2, 4))).tag("embedding", "heads", "projection")
+  view = b.untag("heads").tag("heads")          # a NamedArrayView
+  names = so.specs.axis_names({"w": view})
+  assert names == {"w/data_array": ("embedding", "heads", "projection")}
+
+
+def test_the_library_imports_neither_haliax_nor_penzai():
+  import subprocess
+  import sys
+  code = ("import sys, stiefel_optax, jax.numpy as jnp; "
+          "stiefel_optax.selected_frames({'a/query/kernel': jnp.zeros((8, 2, 4))}); "
+          "assert not {'haliax', 'penzai'} & set(sys.modules), sys.modules")
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
