@@ -50,6 +50,8 @@ REFERENCE_ROOT = REPO / "benchmarks" / "results"
 RESULTS_MD = REPO / "benchmarks" / "RESULTS.md"
 POLICY_FILE = REFERENCE_ROOT / "claims_policy.md"
 POLICY_HEADING = "## Claims policy"
+INDEX_FILE = REFERENCE_ROOT / "index.md"
+INDEX_HEADING = "## At a glance"
 # Seeds fixed before looking (see the claims policy): a comparison found on
 # discovery seeds is a finding only once it holds on the confirmation seeds.
 DISCOVERY_SEEDS = tuple(range(12))
@@ -454,11 +456,17 @@ def replace_section(text: str, heading: str, body: str) -> str:
   return "".join(lines[:start]) + body + ("\n" + tail if tail else "")
 
 
-def with_policy(text: str, policy: str) -> str:
-  """The claims-policy section (policy, starting with POLICY_HEADING)
-  replaced, or inserted right after the title."""
-  if any(l.strip() == POLICY_HEADING for l in text.splitlines()):
-    return replace_section(text, POLICY_HEADING, policy)
+def with_policy(text: str, policy: str,
+                heading: str = POLICY_HEADING) -> str:
+  r"""The claims-policy section (policy, starting with heading) replaced,
+  or inserted right after the title (the index's too: INDEX_HEADING).
+
+  >>> t = with_policy("# R\n\n## A\na\n", "## Claims policy\np")
+  >>> with_policy(t, "## At a glance\ni", INDEX_HEADING)
+  '# R\n\n## At a glance\ni\n\n## Claims policy\np\n\n## A\na\n'
+  """
+  if any(l.strip() == heading for l in text.splitlines()):
+    return replace_section(text, heading, policy)
   lines = text.splitlines(keepends=True)
   title = next((i for i, l in enumerate(lines) if l.startswith("# ")), None)
   if title is None:
@@ -469,13 +477,16 @@ def with_policy(text: str, policy: str) -> str:
 
 
 def write_section(md_path: os.PathLike, heading: str, body: str) -> None:
-  """Rewrites one experiment's section of a RESULTS.md (and the claims
-  policy at its top, from POLICY_FILE); other sections stay as they are."""
+  """Rewrites one experiment's section of a RESULTS.md (and at its top the
+  index, from INDEX_FILE, then the claims policy, from POLICY_FILE); other
+  sections stay as they are."""
   md_path = pathlib.Path(md_path)
   text = md_path.read_text() if md_path.is_file() else "# Benchmark results\n"
   text = replace_section(text, heading, body)
   if POLICY_FILE.is_file():
     text = with_policy(text, POLICY_FILE.read_text())
+  if INDEX_FILE.is_file():
+    text = with_policy(text, INDEX_FILE.read_text(), INDEX_HEADING)
   write_text(md_path, text)
 
 

@@ -200,6 +200,16 @@ def test_results_section_from_template(tiny_study, tmp_path):
   text = md.read_text()
   assert text.index(harness.POLICY_HEADING) < text.index("## CIFAR-10")
   assert "kept" in text and text.endswith(body)
+  # the index (results/index.md) on top, then the policy; a rewrite of a
+  # section leaves both where they are, once
+  index = harness.INDEX_FILE.read_text()
+  assert text.startswith("# Benchmark results\n\n" + index.rstrip("\n")
+                         + "\n\n" + harness.POLICY_HEADING)
+  harness.write_section(md, "## CIFAR-10 patch benchmark",
+                        "## CIFAR-10 patch benchmark\n\nnew")
+  again = md.read_text()
+  assert again.count(harness.INDEX_HEADING) == 1 and again.startswith(
+      text[:len(index)]) and "new" in again and again.endswith(body)
 
 
 def test_default_output_is_outside_the_tracked_tree():
