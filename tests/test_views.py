@@ -113,3 +113,31 @@ def test_spec_errors_name_the_leaf_and_the_fix():
     tx.update(p, tx.init(p), None)
 
 
+
+
+def test_named_specs_view_what_haliax_and_penzai_read_by_name():
+  """A named spec, resolved against a leaf's names, views each frame as the
+  libraries' own name-based reads lay it out: Haliax's `rearrange` to
+  (..., embed, head_size), penzai's `unwrap(..., 'embedding',
+  'projection')`; and the views round-trip."""
+  import haliax as hax
+  from penzai import pz
+  axes = tuple(hax.Axis(n, s) for n, s in (
+      ("layers", 2), ("kv_heads", 2), ("q_heads_per_group", 3),
+      ("head_size", 4), ("embed", 8)))
+  w = hax.named(arange(tuple(a.size for a in axes)), axes)
+  spec = so.FrameSpec(rows="embed", cols="head_size").resolve(
+      tuple(a.name for a in axes))
+  np.testing.assert_array_equal(
+      so.to_frames(w.array, spec),
+      hax.rearrange(w, (..., "embed", "head_size")).array)
+  np.testing.assert_array_equal(
+      so.from_frames(so.to_frames(w.array, spec), spec, w.array.shape),
+      w.array)
+  p = pz.nx.wrap(arange((8, 2, 3, 4))).tag(
+      "embedding", "head_groups", "query_heads", "projection")
+  spec = so.FrameSpec(rows="embedding", cols="projection").resolve(
+      so.specs.axis_names({"w": p})["w/data_array"])
+  np.testing.assert_array_equal(
+      so.to_frames(p.data_array, spec),
+      p.unwrap("head_groups", "query_heads", "embedding", "projection"))
