@@ -622,8 +622,8 @@ def _is_named_array(x) -> bool:
 def _data_names(x) -> tuple:
   """A named array's axis names in the order of its data (None: an axis
   without a name, e.g. penzai's positional axes)."""
-  if hasattr(x, "axes"):                                    # Haliax
-    return tuple(a.name for a in x.axes)
+  if hasattr(x, "axis_names"):                              # Haliax
+    return tuple(x.axis_names)
   ndim = len(x.data_array.shape)
   if hasattr(x, "data_axis_for_name"):                      # penzai view
     names = [None] * ndim
