@@ -194,10 +194,13 @@ def settings(obj) -> dict:
 
 def value_of(field: dataclasses.Field, current, text: str):
   """text as the field's type (that of its annotation, else of its value):
-  int, float, str, bool, or a tuple of seeds."""
+  int, float, str, bool, a tuple of seeds (ints), or a comma list of names
+  where the value holds names (arms)."""
   kind = field.type if isinstance(field.type, str) else getattr(
       field.type, "__name__", str(field.type))
   if "tuple" in kind or isinstance(current, tuple):
+    if current and not all(isinstance(v, int) for v in current):
+      return tuple(v.strip() for v in text.split(","))   # names: arms
     return harness.parse_seeds(text)
   if text.lower() == "none" and "Optional" in kind:
     return None

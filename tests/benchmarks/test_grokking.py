@@ -259,3 +259,37 @@ def test_time_budget_stops_between_jobs_and_says_so(tmp_path, capsys):
   assert len(list((out / "runs").glob("*.json"))) == 1
   err = capsys.readouterr().err
   assert "time budget" in err and "the same command resumes them" in err
+
+
+def test_slingshot_arms_decay_only_where_they_say():
+  """The pilot's arms: with a zero gradient AdamW's step is its decay
+  alone, so a leaf moves exactly where the arm decays it (adam and
+  stiefel_nodecay: nowhere; the targeted arms: embeddings, MLP kernels,
+  unembedding); the study takes them by name through --set arms=..."""
+  import optax
+  cfg = grokking.PRESETS["quick"]
+  for arm, decayed in (("adam", set()), ("stiefel_nodecay", set()),
+                       ("adamw_targeted", {"embed/embedding", "pos_embed",
+                                           "block_0/mlp_in/kernel",
+                                           "block_0/mlp_out/kernel",
+                                           "unembed/kernel"}),
+                       ("stiefel_targeted", {"embed/embedding", "pos_embed",
+                                             "block_0/mlp_in/kernel",
+                                             "block_0/mlp_out/kernel",
+                                             "unembed/kernel"}),
+                       ("adamw", None)):   # None: every weight
+    params = grokking.initial_params(cfg, arm, 0)
+    tx = grokking.make_optimizer(cfg, arm)
+    zero = jax.tree.map(np.zeros_like, params)
+    upd, _ = tx.update(zero, tx.init(params), params)
+    moved = {so.path_str(p) for p, u in jax.tree_util.tree_leaves_with_path(
+        upd) if np.abs(np.asarray(u)).max() > 1e-6}   # not rounding
+    names = {so.path_str(p) for p, _ in
+             jax.tree_util.tree_leaves_with_path(params)}
+    zero_init = {"block_0/mlp_in/bias", "block_0/mlp_out/bias"}
+    assert moved == (names - zero_init if decayed is None else decayed), (
+        arm, moved)
+  _, study, *_ = grokking.configure(driver.parse(grokking.EXPERIMENT, [
+      "--set", "arms=adam,stiefel_nodecay,stiefel_targeted,adamw_targeted"]))
+  assert study.arms == ("adam", "stiefel_nodecay", "stiefel_targeted",
+                        "adamw_targeted")
