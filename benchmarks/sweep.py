@@ -147,12 +147,7 @@ def worker_share(spec: Optional[str]):
   """
   if spec is None:
     return lambda name: True
-  try:
-    i, n = (int(x) for x in spec.split("/"))
-  except ValueError:
-    i, n = -1, 0
-  if not 0 <= i < n:
-    raise SystemExit(f"--worker must be I/N with 0 <= I < N; got {spec!r}.")
+  i, n = driver.check_worker(spec)
   return lambda name: int(harness.digest(name, 8), 16) % n == i
 
 
