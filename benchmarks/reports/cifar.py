@@ -338,8 +338,8 @@ def paper_table(rows, confirmation=None) -> str:
 def supplementary_text(out: pathlib.Path, arms: Sequence[str],
                        data: str) -> str:
   """The tables of runs kept in subfolders of out (other configurations,
-  e.g. --dim 64 or --epochs 15 with --hp-from), each subfolder's report
-  regenerated from its raw runs."""
+  e.g. --set model.dim=64 or --set epochs=15 with --hp-from), each
+  subfolder's report regenerated from its raw runs."""
   parts = []
   for sub in sorted(p for p in pathlib.Path(out).iterdir() if p.is_dir()):
     recs = [r for r in collect(sub, data=data) if r["kind"] == "run"]
