@@ -225,7 +225,8 @@ def one_pass_chain(
     m, scale, lead_states = lead(updates, state[:n], params)
     if scale is None:
       scale = jax.tree.map(
-          lambda w: jnp.ones(w.shape[:-2], geometry.compute_dtype(w.dtype)),
+          lambda w: jnp.ones(w.shape[:-2], geometry.compute_dtype(w.dtype),
+                             out_sharding=geometry.frame_scalar_sharding(w)),
           params)
     s, lr_state = links[n].update(scale, state[n])       # -lr scale
     s, norm = transforms.unzip(jax.tree.structure(updates),

@@ -78,6 +78,77 @@ def compute_dtype(dtype) -> jnp.dtype:
 
 
 # --------------------------------------------------------------------------
+# Explicit sharding: where a mesh's axes are Explicit (`jax.make_mesh`'s
+# default in jax 0.10), an array's sharding is part of its type and every
+# op's operands must agree. These helpers read it; on one device, or under
+# Auto axes, they return None / their input, and the ops are written
+# exactly as without them.
+
+
+def explicit_spec(x) -> Optional[tuple]:
+  """x's PartitionSpec entries (one per axis) where x is sharded over an
+  Explicit mesh axis; None otherwise (no mesh, Auto axes, replicated)."""
+  try:
+    sharding = jax.typeof(x).sharding
+  except (TypeError, AttributeError):
+    return None
+  mesh = getattr(sharding, "mesh", None)
+  spec = getattr(sharding, "spec", None)
+  if mesh is None or spec is None or mesh.empty:
+    return None
+  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
+              if t == jax.sharding.AxisType.Explicit}
+  entries = tuple(spec) + (None,) * (jnp.ndim(x) - len(tuple(spec)))
+  names = [n for e in entries if e is not None
+           for n in (e if isinstance(e, tuple) else (e,))]
+  return entries if any(n in explicit for n in names) else None
+
+
+def gram_sharding(a, b) -> Optional[jax.sharding.PartitionSpec]:
+  """The sharding of A^T B where A's or B's rows d are sharded over
+  Explicit mesh axes, for which jax asks (the sum over the row blocks is
+  an all-reduce of the r x s blocks): A's batch axes, the block replicated.
+  None where d is not so sharded (the product needs no annotation)."""
+  specs = [explicit_spec(x) for x in (a, b)]
+  if not any(s is not None and s[-2] is not None for s in specs):
+    return None
+  batch = next(s for s in specs if s is not None)[:-2]
+  return jax.sharding.PartitionSpec(*batch, None, None)
+
+
+def frame_scalar_sharding(w) -> Optional[jax.sharding.NamedSharding]:
+  """The sharding of one scalar per frame of w (..., d, r) (a second
+  moment, a step scale): w's batch axes, where w is sharded over Explicit
+  mesh axes; None otherwise."""
+  spec = explicit_spec(w)
+  if spec is None:
+    return None
+  return jax.sharding.NamedSharding(jax.typeof(w).sharding.mesh,
+                                    jax.sharding.PartitionSpec(*spec[:-2]))
+
+
+def reshard_to(x, sharding):
+  """x resharded to `sharding` (a NamedSharding, or None: x itself) where
+  it is not sharded so already: a state made or placed apart from the
+  step's arrays, so that the selects and products that mix them agree
+  under Explicit mesh axes. No op otherwise."""
+  if sharding is None:
+    return x
+  want = tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
+  if (explicit_spec(x) or (None,) * jnp.ndim(x)) == want:
+    return x
+  return jax.sharding.reshard(x, sharding)
+
+
+def like(x, ref):
+  """x sharded as ref where ref is sharded over Explicit mesh axes
+  (`reshard_to`); x itself otherwise."""
+  if explicit_spec(ref) is None:
+    return x
+  return reshard_to(x, jax.typeof(ref).sharding)
+
+
+# --------------------------------------------------------------------------
 # Elementary maps.
 
 
@@ -112,6 +183,10 @@ def gram(a: jax.Array, b: Optional[jax.Array] = None) -> jax.Array:
   """A^T B per frame (A^T A when b is None), shape (..., r, s).
 
   A (..., d, r) and B (..., d, s) must agree in d and in the batch axes.
+  Where d is sharded over Explicit mesh axes (FSDP under
+  `jax.make_mesh`'s default), the product is a sum over the row blocks, and
+  the result is the r x s block per frame, sharded as A's batch axes
+  (`gram_sharding`).
   """
   _check_matrices("gram", "a", a.shape)
   if b is None:
@@ -123,17 +198,25 @@ def gram(a: jax.Array, b: Optional[jax.Array] = None) -> jax.Array:
           f"gram: a has shape {tuple(a.shape)} but b has shape"
           f" {tuple(b.shape)}; A^T B needs the same rows d and batch axes"
           " (shape[:-1] equal).")
-  return jax.lax.platform_dependent(a, b, cpu=_gram_cpu,
-                                    default=_gram_contraction)
+  out = gram_sharding(a, b)
+  if out is None:
+    return jax.lax.platform_dependent(a, b, cpu=_gram_cpu,
+                                      default=_gram_contraction)
+  return jax.lax.platform_dependent(
+      a, b, cpu=functools.partial(_gram_cpu, out_sharding=out),
+      default=functools.partial(_gram_contraction, out_sharding=out))
 
 
-def _gram_contraction(a: jax.Array, b: jax.Array) -> jax.Array:
+def _gram_contraction(a: jax.Array, b: jax.Array,
+                      out_sharding=None) -> jax.Array:
   """A^T B as one contraction over d: the form GPU and TPU dots take
   natively (a transposed operand is a flag of the GEMM, not a copy)."""
-  return jnp.einsum("...dr,...ds->...rs", a, b)
+  if out_sharding is None:
+    return jnp.einsum("...dr,...ds->...rs", a, b)
+  return jnp.einsum("...dr,...ds->...rs", a, b, out_sharding=out_sharding)
 
 
-def _gram_cpu(a: jax.Array, b: jax.Array) -> jax.Array:
+def _gram_cpu(a: jax.Array, b: jax.Array, out_sharding=None) -> jax.Array:
   """A^T B on CPU: A^T materialised, then a plain batched matmul.
 
   XLA's CPU backend (jaxlib 0.10) sends a batched dot whose left operand
@@ -147,7 +230,9 @@ def _gram_cpu(a: jax.Array, b: jax.Array) -> jax.Array:
   results agree to rounding.
   """
   a_t = jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
-  return a_t @ b
+  if out_sharding is None:
+    return a_t @ b
+  return jnp.matmul(a_t, b, out_sharding=out_sharding)
 
 
 def frame_norm(x: jax.Array) -> jax.Array:
@@ -526,9 +611,11 @@ def _newton_schulz_counted(y: jax.Array, p0, tol: float, accept: float,
     e_new = jnp.where(small, 1.0 - p_small, e_big)
     return y, z, bound, p_new, e_new, e, k + 1
 
-  bound0 = jnp.full(y.shape[:-2], jnp.inf, y.dtype)
-  init = (y, jnp.broadcast_to(eye, y.shape), bound0, p0, 1.0 - p0, 1.0 - p0,
-          jnp.zeros([], jnp.int32))
+  # The carry sharded as Y (no op without Explicit mesh axes).
+  per_frame = frame_scalar_sharding(y)
+  bound0 = reshard_to(jnp.full(y.shape[:-2], jnp.inf, y.dtype), per_frame)
+  init = (y, like(jnp.broadcast_to(eye, y.shape), y), bound0, p0, 1.0 - p0,
+          1.0 - p0, jnp.zeros([], jnp.int32))
   _, z, bound, *_ = jax.lax.while_loop(cond, body, init)
   return z, bound
 
@@ -582,9 +669,12 @@ def inv_sqrt_newton_schulz(m: jax.Array, tol, max_steps: int):
     return (y, z, bound, jnp.minimum(best, rho), moving & (new_bound > tol),
             k + 1)
 
-  init = (m / c, jnp.broadcast_to(eye, m.shape),
-          jnp.full(batch, jnp.inf, m.dtype), jnp.full(batch, jnp.inf, m.dtype),
-          jnp.ones(batch, bool), jnp.zeros([], jnp.int32))
+  # The carry sharded as M (no op without Explicit mesh axes).
+  per_frame = lambda x: reshard_to(x, frame_scalar_sharding(m))
+  init = (m / c, like(jnp.broadcast_to(eye, m.shape), m),
+          per_frame(jnp.full(batch, jnp.inf, m.dtype)),
+          per_frame(jnp.full(batch, jnp.inf, m.dtype)),
+          per_frame(jnp.ones(batch, bool)), jnp.zeros([], jnp.int32))
   _, z, bound, _, _, steps = jax.lax.while_loop(cond, body, init)
   return z * jax.lax.rsqrt(c), steps, bound
 
@@ -649,7 +739,8 @@ def _polar_newton_schulz(a: jax.Array, m: jax.Array, c: jax.Array,
   y = m / c
   if num_steps is not None:
     if num_steps < 1:
-      inv_root = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
+      inv_root = like(
+          jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape), m)
     else:
       inv_root, _ = _newton_schulz_fixed(y, num_steps=num_steps)
     return a @ (inv_root * jax.lax.rsqrt(c))
@@ -812,8 +903,10 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
   if num_steps is None and max_step_norm is None and not tangent:
     # No bound from the step: an infinite certificate selects the fallback
     # (through the same compiled cond as the other paths).
-    eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=cdtype), m.shape)
-    inf = jnp.full(m.shape[:-2], jnp.inf, cdtype)
+    eye = like(jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=cdtype), m.shape),
+               m)
+    inf = reshard_to(jnp.full(m.shape[:-2], jnp.inf, cdtype),
+                     frame_scalar_sharding(m))
     return _certified_polar(a, m, eye, inf).astype(w.dtype)
   if step_norm is None:
     step_norm = frame_norm(xi_c)

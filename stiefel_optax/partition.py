@@ -272,6 +272,12 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
 
   def init_fn(params):
     checks.require_params(params, "frame_partition")
+    from stiefel_optax import sharding   # (sharding imports this module)
+    if sharding.has_variables(params):
+      # Flax NNX (nnx.Optimizer): the state is made from the values, and
+      # its leaves come back in Variables whose shardings fit them.
+      return sharding.variable_state(
+          init_fn(sharding.unwrap_variables(params)), params, frames)
     warn_if_boxed(params)   # its boxes would mislabel the state
     items = specs_lib.frame_specs(params, frames)
     # The one start check of init, naming each kernel (`checks.check_start`).

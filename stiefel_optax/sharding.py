@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -230,9 +231,16 @@ def _target(tree, leaves):
 class _Mapper:
   """Walks an optimizer state, giving each leaf its sharding."""
 
-  def __init__(self, params, shardings, frames, replicated):
+  def __init__(self, params, shardings, frames, replicated, make=None,
+               other=None):
     self.params, self.shardings, self.frames = params, shardings, frames
     self.replicated = replicated
+    # make(state leaf, its target (path, shape, entries, sharding), its
+    # entries): what a leaf that mirrors a parameter becomes; other(leaf):
+    # what any other leaf becomes. By default their shardings.
+    self.make = make or (lambda x, target, entries: _rebuild(target[3],
+                                                             entries))
+    self.other = other or (lambda x: self.replicated)
     self.notes, self.unmatched = [], []
     self._groups = None
 
@@ -341,11 +349,12 @@ class _Mapper:
     if target.conflict and _fits(node, target):
       raise ValueError(f"state_shardings: {target.conflict}.")
     out = []
-    for (k, x), (p_path, shape, entries, s) in zip(
-        jax.tree_util.tree_leaves_with_path(node), target.leaves):
+    for (k, x), leaf in zip(jax.tree_util.tree_leaves_with_path(node),
+                            target.leaves):
+      p_path, shape, entries, _ = leaf
       xs = tuple(getattr(x, "shape", ()))
       if xs == shape[:len(xs)]:
-        out.append(_rebuild(s, entries[:len(xs)]))
+        out.append(self.make(x, leaf, entries[:len(xs)]))
       else:
         out.append(self.leaf(x, path + jax.tree_util.keystr(k), group,
                              f"{p_path}'s {shape}"))
@@ -364,7 +373,7 @@ class _Mapper:
             " state_shardings the params and the frames= the optimizer was"
             " built with.")
       self.unmatched.append(f"{path} {shape}")
-    return self.replicated
+    return self.other(x)
 
 
 def _fits(node, target) -> bool:
@@ -558,4 +567,106 @@ def state_shardings(tx: optax.GradientTransformation, params,
                  + ", ".join(mapper.unmatched[:6])
                  + (" ..." if len(mapper.unmatched) > 6 else ""))
   _warn(notes)
+  return out
+
+
+# --------------------------------------------------------------------------
+# Flax NNX: a state whose Variables carry their own shardings.
+
+
+def _variable_type():
+  """flax.nnx's Variable class, or None where flax.nnx is not imported (a
+  tree then holds no Variable: never import it)."""
+  module = sys.modules.get("flax.nnx.variablelib")
+  return None if module is None else module.Variable
+
+
+def has_variables(tree) -> bool:
+  """Whether `tree` holds Flax NNX Variables (`nnx.state(model, nnx.Param)`
+  does; `nnx.as_pure` of it does not)."""
+  var = _variable_type()
+  if var is None:
+    return False
+  is_var = lambda x: isinstance(x, var)
+  return any(is_var(x) for x in jax.tree.leaves(tree, is_leaf=is_var))
+
+
+def unwrap_variables(tree):
+  """`tree` with each Flax NNX Variable replaced by its value."""
+  var = _variable_type()
+  return jax.tree.map(lambda v: v.get_value(), tree,
+                      is_leaf=lambda x: isinstance(x, var))
+
+
+# The Variable metadata that shards a state: flax's `out_sharding` (set by
+# nnx.with_partitioning), and `optimizer_sharding`, which nnx.Optimizer
+# puts in its place on the state when a parameter has it.
+_OUT, _OPT = "out_sharding", "optimizer_sharding"
+
+
+def variable_state(state, params, frames: specs_lib.Selector = None):
+  """The state `state` (made from the values of `params`) with each leaf
+  that mirrors a parameter in a Variable of that parameter's type and
+  metadata, its sharding mapped to the leaf's layout.
+
+  Flax NNX's `nnx.Optimizer(model, tx, wrt=nnx.Param)` calls
+  `tx.init(nnx.state(model, nnx.Param))` and copies the metadata of every
+  Variable in the state it gets onto the optimizer state's Variables; with
+  eager sharding (flax 0.12's default) it shards each at once by its
+  `out_sharding`, and `nnx.get_partition_spec` reads it. A parameter's
+  own `out_sharding` names the kernel's axes, which do not fit its frame
+  view; here each state leaf gets the `out_sharding` that
+  `state_shardings` maps for it (mu (heads, d, r) of a (d, heads, r)
+  kernel ('embed', 'heads', 'kv') is ('heads', 'embed', 'kv'), nu (heads,)
+  is ('heads',)), from the parameter's `optimizer_sharding` where it has one
+  (then removed, so that nnx.Optimizer keeps the mapped one), else its
+  `out_sharding`. A parameter without either gives Variables without
+  `out_sharding`. Leaves that mirror no parameter (counts) stay arrays,
+  as optax's do.
+
+  Args:
+    state: the optimizer state made from `unwrap_variables(params)`.
+    params: the parameters, a tree of Flax NNX Variables.
+    frames: the optimizer's frame selector.
+
+  Returns:
+    `state` with Variables in place of the leaves that mirror parameters.
+
+  Raises:
+    ValueError: as `state_shardings`.
+  """
+  var = _variable_type()
+  is_var = lambda x: isinstance(x, var)
+  values = unwrap_variables(params)
+  variables = {specs_lib.path_str(p): v for p, v in
+               jax.tree_util.tree_leaves_with_path(params, is_leaf=is_var)}
+  sources, unsharded = {}, set()
+  for path, v in variables.items():
+    meta = v.get_metadata() if is_var(v) else {}
+    spec = meta.get(_OPT) or meta.get(_OUT)
+    if not spec:
+      unsharded.add(path)
+      spec = PartitionSpec()
+    elif not _is_sharding(spec):
+      spec = PartitionSpec(*spec)
+    sources[path] = spec
+  shardings = _check_shardings(
+      values, jax.tree_util.tree_map_with_path(
+          lambda p, _: sources[specs_lib.path_str(p)], values))
+
+  def make(x, target, entries):
+    path, sharding = target[0], target[3]
+    v = variables[path]
+    if not is_var(v):
+      return x
+    meta = {k: m for k, m in v.get_metadata().items() if k not in (_OUT, _OPT)}
+    if path not in unsharded:
+      out = _rebuild(sharding, entries)
+      meta[_OUT] = out if isinstance(out, NamedSharding) else tuple(out)
+    return type(v)(x, **meta)
+
+  mapper = _Mapper(values, shardings, frames, None, make=make,
+                   other=lambda x: x)
+  out = mapper.walk(state, "", [mapper.param_target()], None)
+  _warn(mapper.notes)
   return out

@@ -290,8 +290,10 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     checks.check_frame_leaves(params, "scale_by_frame_adam")
     mu = jax.tree.map(
         lambda w: jnp.zeros_like(w, dtype=mu_dtype or w.dtype), params)
+    # One scalar per frame, sharded as the frames' batch axes.
     nu = jax.tree.map(
-        lambda w: jnp.zeros(w.shape[:-2], geometry.compute_dtype(w.dtype)),
+        lambda w: jnp.zeros(w.shape[:-2], geometry.compute_dtype(w.dtype),
+                            out_sharding=geometry.frame_scalar_sharding(w)),
         params)
     return ScaleByFrameAdamState(jnp.zeros([], jnp.int32), mu, nu)
 
@@ -325,6 +327,10 @@ def frame_adam_moments(updates, state: ScaleByFrameAdamState, params,
     # float64 corrections, not float32 ones).
     t = count.astype(cdtype)
     bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+    # Under Explicit mesh axes a state placed apart from the frames is
+    # resharded as they are (no op where it already is, or without them).
+    m = geometry.like(m, w)
+    v = geometry.reshard_to(v, geometry.frame_scalar_sharding(w))
     g, m_c, w = g_in.astype(cdtype), m.astype(cdtype), w.astype(cdtype)
     # ||g||^2 is NaN or Inf iff g holds a NaN or Inf (or overflows it):
     # the reduction that v needs anyway is the finiteness test, with no
