@@ -37,6 +37,14 @@ known, so a name on a split column axis goes to the heads axis; pass the
 result to `nn.logical_to_mesh_sharding`, and jax's own check at `jit`
 refuses a count that does not divide.
 
+Flax NNX needs no call: `nnx.Optimizer(model, tx, wrt=nnx.Param)` hands
+`tx.init` the parameters as Variables and copies the metadata of the
+Variables it gets back onto the optimizer state (sharding them at once
+under flax 0.12's eager sharding). `frame_partition`'s init therefore
+returns, for Variables, a state whose leaves are Variables carrying the
+`out_sharding` mapped here (`variable_state`), so `nnx.get_partition_spec`
+of the optimizer is right, eager or not.
+
 The alternative, keeping the state in the kernel's layout, was not taken:
 the step computes in the frame view, so a kernel-layout moment would be
 transposed in and out of the view at every step (measured in
