@@ -20,19 +20,23 @@ from stiefel_optax import checks, geometry, transforms
 DEFAULT_MAX_STEP_NORM = 0.1
 
 
-def _cap_and_retract(max_step_norm, radius: Optional[float],
+def _cap_and_retract(max_step_norm, static_max_step_norm: Optional[float],
                      retraction: str):
   """The trust region (if any) and the polar retraction sized for it.
 
-  Without a cap, or with a radius traced under jit (`optax.inject_hyperparams`
-  may change it between steps; `radius` None), no Newton–Schulz step count
-  can be fixed in advance: the retraction then counts its steps at run time
-  from the actual step norms (`retract_polar(max_step_norm=None)`).
+  `max_step_norm` is the trust region's radius as given (a float or a
+  traced value), which the cap uses; `static_max_step_norm` the same as a
+  Python float, None when it is traced under jit (`optax.inject_hyperparams`
+  may change it between steps). Without a cap, or with a traced one, no
+  Newton–Schulz step count can be fixed in advance: the retraction then
+  counts its steps at run time from the actual step norms
+  (`retract_polar(max_step_norm=None)`).
   """
   if max_step_norm is None:
     return [transforms.retract_polar(retraction, max_step_norm=None)]
   return [transforms.clip_frame_norm(max_step_norm),
-          transforms.retract_polar(retraction, max_step_norm=radius)]
+          transforms.retract_polar(retraction,
+                                   max_step_norm=static_max_step_norm)]
 
 
 def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
@@ -60,7 +64,7 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
     b2: decay rate of the second moment, one scalar per frame.
     eps: offset added to the denominator sqrt(v_hat); 0 gives the
       scale-free step.
-    max_step_norm: the trust-region radius delta (Frobenius, per frame);
+    max_step_norm: the trust-region radius (Frobenius, per frame);
       None disables the cap (ablation); may be injected (traced).
     retraction: "newton_schulz" (matmul only, default) or "eigh".
     mu_dtype: dtype of the first moment.
@@ -145,7 +149,7 @@ def one_pass_chain(
   hand on per-frame scalars instead of steps. `lead` gives, per frame W, a
   direction m and a scalar c; the update is::
 
-      s  = -lr c min(1, delta / (lr c ||m||_F))       (no min without delta)
+      s  = -lr c min(1, max_step_norm / (lr c ||m||_F))   (no min without it)
       xi = s m
       u  = polar(W + xi) - W
 
@@ -166,7 +170,7 @@ def one_pass_chain(
       (shape leaf.shape[:-2]) or None for 1, and the links' new states as a
       tuple.
     learning_rate: a float or an optax schedule.
-    max_step_norm: the trust-region radius delta (Frobenius, per frame);
+    max_step_norm: the trust-region radius (Frobenius, per frame);
       None (default): no cap. May be injected (traced).
     retraction: "newton_schulz" (default, matmul only) or "eigh".
     name: the optimizer's name, which its error messages start with.
@@ -198,11 +202,15 @@ def one_pass_chain(
     >>> bool(jnp.allclose(u, u_chain, atol=1e-6))
     True
   """
-  radius = (None if max_step_norm is None
-            else checks.check_radius(name, max_step_norm))
+  # static_max_step_norm: max_step_norm as a Python float, None when it is
+  # absent or traced (injected); only a static value fixes the Newton–Schulz
+  # count at trace time, while the cap itself uses max_step_norm as given.
+  static_max_step_norm = (
+      None if max_step_norm is None
+      else checks.check_max_step_norm(name, max_step_norm))
   checks.check_choice(name, "retraction", retraction, geometry.RETRACTIONS)
   links = [*lead_links, optax.scale_by_learning_rate(learning_rate),
-           *_cap_and_retract(max_step_norm, radius, retraction)]
+           *_cap_and_retract(max_step_norm, static_max_step_norm, retraction)]
   n = len(lead_links)
   chain_init = optax.chain(*links).init
 
@@ -233,8 +241,8 @@ def one_pass_chain(
                                jax.tree.map(capped, m, s), 2)
     u = jax.tree.map(
         lambda m, s, norm, w, g: transforms.retraction_update(
-            m * s[..., None, None], w, retraction, radius, step_norm=norm,
-            out_dtype=g.dtype),
+            m * s[..., None, None], w, retraction, static_max_step_norm,
+            step_norm=norm, out_dtype=g.dtype),
         m, s, norm, params, updates)
     # The cap and the retraction keep no state (EmptyState).
     return u, (*lead_states, lr_state, *state[n + 1:])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import warnings
 from typing import Any, Optional, Sequence
 
 import jax
@@ -55,20 +57,54 @@ def static_float(x) -> Optional[float]:
     return None
 
 
-def check_radius(name: str, value, arg: str = "max_step_norm",
-                 optional: bool = True) -> Optional[float]:
-  """A trust-region radius, checked: finite and > 0 where it is concrete.
+def check_max_step_norm(name: str, value, arg: str = "max_step_norm",
+                        optional: bool = True) -> Optional[float]:
+  """A `max_step_norm` (the trust-region radius), checked: finite and > 0
+  where it is concrete.
 
-  Returns it as a Python float, or None when it is traced (a radius that
-  `optax.inject_hyperparams` injects); `optional` says in the message that
-  None turns the trust region off.
+  Returns it as a Python float, or None when it is traced (as
+  `optax.inject_hyperparams` injects it); `optional` says in the message
+  that None turns the trust region off.
   """
-  radius = static_float(value)
-  if radius is not None and not (radius > 0 and np.isfinite(radius)):
+  max_step_norm = static_float(value)
+  if max_step_norm is not None and not (
+      max_step_norm > 0 and np.isfinite(max_step_norm)):
     off = " (or None for no trust region)" if optional else ""
     raise ValueError(
-        f"{name}: {arg} must be > 0 and finite{off}; got {radius}.")
-  return radius
+        f"{name}: {arg} must be > 0 and finite{off}; got {max_step_norm}.")
+  return max_step_norm
+
+
+def check_radius(name: str, value, arg: str = "max_step_norm",
+                 optional: bool = True) -> Optional[float]:
+  """Deprecated: `check_max_step_norm` (the library's one name for the
+  trust-region radius)."""
+  warnings.warn("stiefel_optax.checks.check_radius is deprecated; use"
+                " check_max_step_norm.", DeprecationWarning, stacklevel=2)
+  return check_max_step_norm(name, value, arg, optional)
+
+
+def renamed_keywords(**renames: str):
+  """Decorator: `fn` keeps accepting each old keyword (renames maps old to
+  new name), with a DeprecationWarning naming the new one.
+
+  Passing both the old and the new keyword is a TypeError.
+  """
+  def decorate(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+      for old, new in renames.items():
+        if old in kwargs:
+          warnings.warn(
+              f"{fn.__name__}: the keyword {old!r} is deprecated; use"
+              f" {new!r}.", DeprecationWarning, stacklevel=2)
+          if new in kwargs:
+            raise TypeError(f"{fn.__name__}: got both {old!r} and its new"
+                            f" name {new!r}.")
+          kwargs[new] = kwargs.pop(old)
+      return fn(*args, **kwargs)
+    return wrapper
+  return decorate
 
 
 # --------------------------------------------------------------------------

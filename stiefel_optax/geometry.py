@@ -385,20 +385,21 @@ def newton_schulz_tol(dtype) -> float:
 
 def newton_schulz_steps(max_step_norm: float = 1.0, tol: float = 1e-8, *,
                         tangent: bool = True) -> int:
-  """Fewest Newton–Schulz steps that retract any step with ||xi||_F <= delta.
+  """Fewest Newton–Schulz steps that retract any ||xi||_F <= max_step_norm.
 
   For tangent xi at W, (W + xi)^T (W + xi) = I + xi^T xi with spectrum in
-  [1, 1 + ||xi||_2^2] subset [1, 1 + delta^2]; see `newton_schulz_residual`
-  and the Proofs page. delta = 1 needs 4 steps, delta = 0.1 needs 2
-  (tol = 1e-8, below float32 rounding; `retract` uses
+  [1, 1 + ||xi||_2^2] subset [1, 1 + max_step_norm^2]; see
+  `newton_schulz_residual` and the Proofs page. max_step_norm = 1 needs 4
+  steps, 0.1 needs 2 (tol = 1e-8, below float32 rounding; `retract` uses
   `newton_schulz_tol(dtype)`, one step more in float64). Non-tangent steps
-  (tangent=False) need delta < 1 and more steps (delta = 0.1: 4).
+  (tangent=False) need max_step_norm < 1 and more steps (0.1: 4).
 
   Args:
-    max_step_norm: the radius delta, a bound on ||xi||_F (finite, > 0).
+    max_step_norm: the trust-region radius, a bound on ||xi||_F (finite,
+      > 0).
     tol: the worst-case eigenvalue residual to reach.
     tangent: whether the steps are tangent at W; False uses the bound for
-      any step and needs delta < 1.
+      any step and needs max_step_norm < 1.
 
   Returns:
     The step count, an int >= 1.
@@ -474,12 +475,12 @@ def newton_schulz_fallback_steps(condition_number: float, r: int,
 
 def _fast_path_steps(max_step_norm: float, tol: float, accept: float,
                      r: int, tangent: bool) -> int:
-  """The fast path's fixed count: `newton_schulz_steps(delta, tol)`, plus a
-  step where the worst case of the certificate from the last-but-one
+  """The fast path's fixed count: `newton_schulz_steps(max_step_norm, tol)`,
+  plus a step where the worst case of the certificate from the last-but-one
   residual e_{K-1} (`_step_bound_from_worst_eigenvalue`) could exceed
-  `accept`, so that a step within the radius never falls back. Only long
-  float64 steps need it (delta = 2: 7 steps instead of 6); float32 counts
-  are unchanged for r <= 4096.
+  `accept`, so that a step within max_step_norm never falls back. Only long
+  float64 steps need it (max_step_norm = 2: 7 steps instead of 6); float32
+  counts are unchanged for r <= 4096.
   """
   steps = newton_schulz_steps(max_step_norm, tol, tangent=tangent)
   spread = max_step_norm ** 2
@@ -832,13 +833,14 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
     spectrum lies in [1, 1 + ||xi||_F^2]; the coupled Newton–Schulz
     iteration scales by that per-frame bound and runs a step count sized
     for it: `newton_schulz_steps(max_step_norm, newton_schulz_tol(dtype))`
-    (2 for the default trust region 0.1 in float32), or, with no radius,
-    a count found at run time from the actual step norms.
+    (2 for the default trust region 0.1 in float32), or, with
+    max_step_norm=None, a count found at run time from the actual step
+    norms.
   * Certificate. With R = Z Y - I of the last step, rho = ||R||_F bounds
     the returned frame's isometry error by rho^2 (3 + rho) / 4, at no
     extra product, and 1 + ||M - I||_F <= 5/2 c excludes a non-principal
     square root. If any frame fails (W not orthonormal, a step longer than
-    the radius, a non-finite frame), a `lax.cond` on device runs the
+    max_step_norm, a non-finite frame), a `lax.cond` on device runs the
     fallback for the whole batch; on the fast path's domain both tests
     pass by construction.
   * Fallback. The iteration scaled by c = min(||M||_F, 1 + ||M - I||_F) >=
@@ -860,14 +862,14 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
     xi: steps of the same shape (nothing is broadcast).
     method: "newton_schulz" (default, matmul only) or "eigh" (exact, any
       step).
-    max_step_norm: a radius delta with ||xi||_F <= delta, which fixes the
-      fast path's step count at trace time; None (default): counted at run
-      time from the step norms.
+    max_step_norm: the trust-region radius, a bound on ||xi||_F, which
+      fixes the fast path's step count at trace time; None (default):
+      counted at run time from the step norms.
     num_steps: exactly that many steps with the scale from the step norm,
       no certificate and no fallback (to measure the iteration).
     tangent: False when xi is not tangent at W: the fixed count then uses
-      the bound for any step, with a radius < 1; with no radius the
-      fallback runs directly.
+      the bound for any step, with max_step_norm < 1; with
+      max_step_norm=None the fallback runs directly.
     step_norm: ||xi||_F per frame (shape xi.shape[:-2]) where the caller
       already has it (`stiefel_adam` takes it from its momentum), so that
       xi is not read once more; None: computed here. Only the Newton–Schulz
@@ -881,7 +883,7 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
   Raises:
     ValueError: if `w` is not (..., d, r) with d >= r >= 1, `xi` (or
       `step_norm`) has another shape, `method` is unknown, or
-      `max_step_norm` is not a valid radius (not > 0; not < 1 with
+      `max_step_norm` is not valid (not > 0; not < 1 with
       tangent=False).
 
   Example:

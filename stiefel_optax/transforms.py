@@ -367,22 +367,27 @@ def frame_adam_moments(updates, state: ScaleByFrameAdamState, params,
 # Trust region.
 
 
-def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
-  """Trust region: xi <- xi * min(1, max_norm / ||xi||_F), per frame.
+@checks.renamed_keywords(max_norm="max_step_norm")
+def clip_frame_norm(max_step_norm: chex.Numeric
+                    ) -> optax.GradientTransformation:
+  """Trust region: xi <- xi * min(1, max_step_norm / ||xi||_F), per frame.
 
   Applied after the learning rate, so it caps the actual step. It bounds the
-  spectrum of (W + xi)^T (W + xi) = I + xi^T xi within [1, 1 + max_norm^2].
-  `max_norm` may be an array, traced under jit (`optax.inject_hyperparams`).
+  spectrum of (W + xi)^T (W + xi) = I + xi^T xi within [1, 1 + max_step_norm^2].
+  `max_step_norm` may be an array, traced under jit
+  (`optax.inject_hyperparams`).
 
   Args:
-    max_norm: the trust-region radius (Frobenius, per frame), > 0.
+    max_step_norm: the trust-region radius (Frobenius, per frame), > 0;
+      the same quantity as the aliases' `max_step_norm`. (Formerly
+      `max_norm`: that keyword still works, with a DeprecationWarning.)
 
   Returns:
     An `optax.GradientTransformation` (state `optax.EmptyState`); its update
     needs params.
 
   Raises:
-    ValueError: for a concrete `max_norm` that is not finite and > 0 (at
+    ValueError: for a concrete `max_step_norm` that is not finite and > 0 (at
       once); at init, for a leaf that cannot hold frames; at update, without
       params or for a step whose shape is not its frame's.
 
@@ -394,8 +399,8 @@ def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
     >>> so.geometry.frame_norm(u)
     Array([0.1, 0.1], dtype=float32)
   """
-  checks.check_radius("clip_frame_norm", max_norm, "max_norm",
-                      optional=False)
+  checks.check_max_step_norm("clip_frame_norm", max_step_norm,
+                             optional=False)
 
   def init_fn(params):
     checks.check_frame_leaves(params, "clip_frame_norm")
@@ -406,7 +411,7 @@ def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
     checks.check_update_shapes(updates, params, "clip_frame_norm")
 
     def clip(xi):
-      factor = cap_factor(geometry.frame_norm(xi), max_norm)
+      factor = cap_factor(geometry.frame_norm(xi), max_step_norm)
       return xi * factor[..., None, None]
 
     return _per_frame(clip, updates), state
@@ -414,11 +419,12 @@ def clip_frame_norm(max_norm: chex.Numeric) -> optax.GradientTransformation:
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def cap_factor(norm, max_norm):
-  """min(1, max_norm / ||xi||_F) per frame from the step's norm, 1 for a
+@checks.renamed_keywords(max_norm="max_step_norm")
+def cap_factor(norm, max_step_norm):
+  """min(1, max_step_norm / ||xi||_F) per frame from the step's norm, 1 for a
   zero step: what `clip_frame_norm` (and the aliases' one-pass update,
   from a norm it has already) scale a step by."""
-  return jnp.minimum(1.0, max_norm / jnp.maximum(norm, max_norm))
+  return jnp.minimum(1.0, max_step_norm / jnp.maximum(norm, max_step_norm))
 
 
 # --------------------------------------------------------------------------
@@ -444,10 +450,10 @@ def retract_polar(method: str = "newton_schulz", *,
     method: "newton_schulz" (default) or "eigh".
     max_step_norm: the trust-region radius of the steps it receives (put
       `clip_frame_norm(max_step_norm)` before it), which fixes the
-      Newton–Schulz count at trace time. None (default): no radius; the
-      count is found at run time from the actual step norms, right for
-      every step length. A traced radius (`optax.inject_hyperparams`) is
-      treated as None.
+      Newton–Schulz count at trace time. None (default): no trust region;
+      the count is found at run time from the actual step norms, right for
+      every step length. A traced `max_step_norm`
+      (`optax.inject_hyperparams`) is treated as None.
     tangent: False when the incoming steps are not tangent (no projection
       before it): the fixed count then uses the bound for any step and needs
       max_step_norm < 1; with max_step_norm=None the M-scaled iteration
@@ -458,9 +464,9 @@ def retract_polar(method: str = "newton_schulz", *,
     needs params.
 
   Raises:
-    ValueError: for an unknown `method` or an invalid radius (at once); at
-      init, for a leaf that cannot hold frames; at update, without params
-      or for a step whose shape is not its frame's.
+    ValueError: for an unknown `method` or an invalid `max_step_norm` (at
+      once); at init, for a leaf that cannot hold frames; at update,
+      without params or for a step whose shape is not its frame's.
 
   References:
     P.-A. Absil, R. Mahony and R. Sepulchre, "Optimization Algorithms on
@@ -476,11 +482,15 @@ def retract_polar(method: str = "newton_schulz", *,
     True
   """
   checks.check_choice("retract_polar", "method", method, geometry.RETRACTIONS)
-  radius = (None if max_step_norm is None
-            else checks.check_radius("retract_polar", max_step_norm))
-  if radius is not None and not tangent:    # and < 1 for any step
+  # static_max_step_norm: max_step_norm as a Python float when it is
+  # concrete, None when it is absent or traced (injected): only a static
+  # value can fix the Newton–Schulz count at trace time.
+  static_max_step_norm = (
+      None if max_step_norm is None
+      else checks.check_max_step_norm("retract_polar", max_step_norm))
+  if static_max_step_norm is not None and not tangent:  # and < 1, any step
     try:
-      geometry.newton_schulz_steps(radius, tangent=tangent)
+      geometry.newton_schulz_steps(static_max_step_norm, tangent=tangent)
     except ValueError as err:
       raise ValueError(f"retract_polar: {err}") from None
 
@@ -493,21 +503,26 @@ def retract_polar(method: str = "newton_schulz", *,
     checks.check_update_shapes(updates, params, "retract_polar")
 
     return jax.tree.map(
-        lambda xi, w: retraction_update(xi, w, method, radius, tangent,
-                                        out_dtype=xi.dtype),
+        lambda xi, w: retraction_update(xi, w, method, static_max_step_norm,
+                                        tangent, out_dtype=xi.dtype),
         updates, params), state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def retraction_update(xi, w, method: str, radius: Optional[float],
+def retraction_update(xi, w, method: str,
+                      static_max_step_norm: Optional[float],
                       tangent: bool = True, step_norm=None, *, out_dtype):
   """polar(W + xi) - W for one leaf, computed in W's compute dtype, cast
   to out_dtype; `step_norm` (||xi||_F per frame, when the caller has it)
-  spares `geometry.retract` its own pass over xi."""
+  spares `geometry.retract` its own pass over xi. `static_max_step_norm`:
+  the trust region's max_step_norm as a Python float, None when there is
+  none or it is traced (then the Newton–Schulz count is found at run
+  time)."""
   cdtype = geometry.compute_dtype(w.dtype)
   w_c = w.astype(cdtype)
-  # The fast path's count follows from the radius and the compute dtype.
-  new = geometry.retract(w_c, xi.astype(cdtype), method, max_step_norm=radius,
+  # The fast path's count follows from max_step_norm and the compute dtype.
+  new = geometry.retract(w_c, xi.astype(cdtype), method,
+                         max_step_norm=static_max_step_norm,
                          tangent=tangent, step_norm=step_norm)
   return (new - w_c).astype(out_dtype)

@@ -298,12 +298,13 @@ def _stiefel_adam_chain(learning_rate, max_step_norm=0.1,
   """`stiefel_adam`'s links as a plain `optax.chain` (the reference of its
   one-pass update)."""
   cap = ([] if max_step_norm is None else [so.clip_frame_norm(max_step_norm)])
-  radius = max_step_norm if isinstance(max_step_norm, float) else None
+  static_max_step_norm = (max_step_norm if isinstance(max_step_norm, float)
+                          else None)
   return optax.chain(
       so.check_orthonormal_start(),
       so.scale_by_frame_adam(mu_dtype=mu_dtype, project=True),
       optax.scale_by_learning_rate(learning_rate), *cap,
-      so.retract_polar(retraction, max_step_norm=radius))
+      so.retract_polar(retraction, max_step_norm=static_max_step_norm))
 
 
 ONE_PASS_CASES = {

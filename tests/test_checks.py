@@ -74,7 +74,7 @@ def test_bad_method_and_radius_raise():
     with pytest.raises(ValueError, match="svd"):
       make()
   for bad in (0.0, -1.0):
-    with pytest.raises(ValueError, match="max_norm"):
+    with pytest.raises(ValueError, match="max_step_norm"):
       so.clip_frame_norm(bad)
     with pytest.raises(ValueError, match="max_(step_)?norm"):
       so.stiefel_adam(0.1, max_step_norm=bad)

@@ -25,7 +25,7 @@ import pytest
 from absl.testing import parameterized
 
 import stiefel_optax as so
-from stiefel_optax import geometry
+from stiefel_optax import checks, geometry, transforms
 
 from tests.helpers import (
     TestCase, frames, normal, np_frames, np_normal, np_polar, np_project,
@@ -141,6 +141,30 @@ class TransformsTest(TestCase):
     chex.assert_trees_all_close(out[:2], xi[:2])     # under the cap: untouched
     chex.assert_trees_all_close(out[3] / n_out[3], xi[3] / n_in[3],
                                 rtol=1e-5, atol=1e-7)  # direction kept
+
+  def test_clip_frame_norm_old_keyword(self):
+    """clip_frame_norm(max_norm=...) (and cap_factor's) still works, with a
+    DeprecationWarning naming max_step_norm; the same update."""
+    xi = normal(14, (3, 8, 4))
+    w = frames(15, (3, 8, 4))
+    with pytest.warns(DeprecationWarning, match="'max_step_norm'"):
+      old = so.clip_frame_norm(max_norm=0.3)
+    new = so.clip_frame_norm(max_step_norm=0.3)
+    chex.assert_trees_all_equal(old.update(xi, old.init(w), w)[0],
+                                new.update(xi, new.init(w), w)[0])
+    norm = jnp.asarray([0.0, 0.1, 1.0])
+    with pytest.warns(DeprecationWarning, match="'max_step_norm'"):
+      old_factor = transforms.cap_factor(norm, max_norm=0.3)
+    chex.assert_trees_all_equal(old_factor,
+                                transforms.cap_factor(norm, max_step_norm=0.3))
+    with pytest.raises(TypeError, match="max_norm"):
+      with pytest.warns(DeprecationWarning):
+        so.clip_frame_norm(max_norm=0.3, max_step_norm=0.3)
+    with pytest.warns(DeprecationWarning, match="check_max_step_norm"):
+      assert checks.check_radius("x", 0.3) == 0.3
+    with pytest.raises(ValueError, match="max_step_norm"):
+      with pytest.warns(DeprecationWarning):
+        so.clip_frame_norm(max_norm=-1.0)
 
   # jit only: the eager retraction (both methods) is run by the float64
   # reference tests.
