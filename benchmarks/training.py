@@ -216,7 +216,10 @@ def qk_adamw(lr, *, weight_decay, **_):
 
 def qk_stiefel(lr, *, b1=0.9, b2=0.999, eps=1e-8,
                cap=so.aliases.DEFAULT_MAX_STEP_NORM, **_):
-  """Stiefel-Adam: project, one scalar v per frame, lr, cap, retract."""
+  """Stiefel-Adam: project, one scalar v per frame, lr, cap, retract.
+  `cap` is the trust-region radius itself (max_step_norm = cap), not a
+  ratio of the lr (the LM study's max_step_ratio is: max_step_norm =
+  max_step_ratio x Q/K lr)."""
   return so.stiefel_adam(lr, b1, b2, eps, max_step_norm=cap)
 
 
