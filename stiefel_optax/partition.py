@@ -88,9 +88,33 @@ class FramePartitionState(NamedTuple):
   euclidean: optax.OptState
 
 
-def _groups(tree, items):
-  """(frame views tree, rest tree) in the structure of `tree`, the other
-  group's leaves as MaskedNode; `items` from `specs.frame_specs`."""
+def split_groups(tree, items):
+  """The two groups of `frame_partition`: (frame views, the rest).
+
+  A pure function of the tree (params, updates or their shapes under
+  `jax.eval_shape`): each group keeps the structure of `tree`, with the
+  other group's leaves as `optax.MaskedNode` (as `optax.partition` hands
+  them). A selected leaf gives its frame view (batch..., d, r) to the first
+  group and its parts that are not frames, if any, to the second
+  (`views.split_frames`).
+
+  Args:
+    tree: a tree of the parameters' structure.
+    items: ``[(path, leaf, FrameSpec | None)]`` for its leaves in
+      flattening order, as `specs.frame_specs(params, frames)` gives.
+
+  Returns:
+    (frames, rest), two trees of the structure of `tree`.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> from stiefel_optax import partition
+    >>> tree = {"c_attn": jnp.zeros((16, 48)), "ln": jnp.ones(16)}
+    >>> items = so.frame_specs(tree, {"c_attn": so.fused_qkv(2)})
+    >>> frames, rest = partition.split_groups(tree, items)
+    >>> frames["c_attn"].shape, frames["ln"], rest["c_attn"].shape
+    ((2, 2, 16, 8), MaskedNode(), (16, 16))
+  """
   masked = optax.MaskedNode()
   frames, rest = [], []
   for x, (path, _, spec) in zip(jax.tree.leaves(tree), items):
@@ -289,7 +313,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
             f" {spec}", view, orthonormal_start,
             fix="Call params = stiefel_optax.orthonormalize(params,"
             " frames=...) before creating the optimizer state. ")
-    f_params, r_params = _groups(params, items)
+    f_params, r_params = split_groups(params, items)
     # The start is checked (above, naming the kernels): the Stiefel
     # transform's init skips its own start check, its leaf checks still run.
     with checks.start_checked():
@@ -300,8 +324,8 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
     checks.require_params(params, "frame_partition")
     items = specs_lib.frame_specs(params, frames)
     checks.check_same_structure(updates, params, "frame_partition")
-    f_updates, r_updates = _groups(updates, items)
-    f_params, r_params = _groups(params, items)
+    f_updates, r_updates = split_groups(updates, items)
+    f_params, r_params = split_groups(params, items)
     check_state(stiefel_tx, state.stiefel, f_params, stack_frames)
     if limit is not None:
       plan = stack_plan(f_params, limit)

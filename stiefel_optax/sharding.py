@@ -274,8 +274,8 @@ class _Mapper:
           f"state_shardings: {err} (state_shardings selects the frames as"
           " the optimizer does: pass it the optimizer's own frames=.)"
       ) from None
-    f_tree, r_tree = jax.eval_shape(lambda p: partition._groups(p, items),
-                                    self.params)
+    f_tree, r_tree = jax.eval_shape(
+        lambda p: partition.split_groups(p, items), self.params)
     f_leaves, r_leaves, per_leaf = [], [], []
     for (path, x, spec), s in zip(items, self.shardings):
       entries = _padded(_spec(s), len(_shape(x)))
