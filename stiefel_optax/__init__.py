@@ -6,7 +6,8 @@ and a polar retraction; everything else keeps AdamW.
 """
 
 from stiefel_optax.geometry import (
-    isometry_error, newton_schulz_steps, polar, random_frames, retract)
+    isometry_error, polar, random_frames, retract)
+from stiefel_optax.newton_schulz import newton_schulz_steps
 from stiefel_optax.transforms import (
     ScaleByFrameAdamState, check_orthonormal_start, clip_frame_norm,
     project_to_tangent, retract_polar, scale_by_frame_adam, tangent_sq_norm)

@@ -45,7 +45,7 @@ import optax
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from stiefel_optax import geometry
+from stiefel_optax import geometry, newton_schulz
 import stiefel_optax as so
 
 from tests.helpers import (
@@ -354,9 +354,9 @@ def fast_path_certificate(w, xi, delta):
   r = w.shape[-1]
   tol, accept = (geometry.newton_schulz_tol(cdtype),
                  geometry.newton_schulz_accept_tol(cdtype, r))
-  steps = geometry._fast_path_steps(delta, tol, accept, r, True)
+  steps = newton_schulz._fast_path_steps(delta, tol, accept, r, True)
   c = 1.0 + jnp.sum(jnp.square(xi)) / 2.0
-  _, cert = geometry._newton_schulz_fixed(geometry.gram(w + xi) / c, steps)
+  _, cert = newton_schulz._newton_schulz_fixed(geometry.gram(w + xi) / c, steps)
   return steps, float(cert) / accept
 
 
@@ -382,9 +382,9 @@ def test_two_newton_schulz_steps_as_one_polynomial(x64, certificate):
                       [(0.99, 1.01), (0.5, 1.5), (0.05, 1.95), (0.9, 2.4),
                        (1.0, 1.0)]])
   y = jnp.asarray(q @ (spectra[..., None] * np.swapaxes(q, -1, -2)))
-  z, cert = geometry._newton_schulz_fixed(y, 2)
+  z, cert = newton_schulz._newton_schulz_fixed(y, 2)
   z_ref, res = _stepped(y, 2)
-  _, cert_ref = geometry._residual_bounds(res)
+  _, cert_ref = newton_schulz._residual_bounds(res)
   err = certificate("geometry: two Newton–Schulz steps, polynomial vs stepped",
                     rel(z, z_ref))
   assert err <= 1e-14
@@ -1029,3 +1029,30 @@ def test_mismatched_shapes_raise_naming_both(shapes):
       tx.update({"attn": {"query": g}}, state, params)
     names_both(info, name, frame, other)
     assert "['attn']['query']" in str(info.value)
+
+
+def test_newton_schulz_module_split_keeps_names_and_is_acyclic():
+  """The Newton–Schulz machinery lives in stiefel_optax.newton_schulz; its
+  public functions (and the array primitives of stiefel_optax.arrays) stay
+  importable from geometry as the same objects, and neither lower module
+  imports geometry (no import cycle)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  from stiefel_optax import arrays  # pylint: disable=g-import-not-at-top
+  for name in ("step_spectrum", "newton_schulz_residual", "newton_schulz_tol",
+               "newton_schulz_steps", "newton_schulz_accept_tol",
+               "newton_schulz_fallback_steps", "newton_schulz_max_steps",
+               "inv_sqrt_newton_schulz"):
+    assert getattr(geometry, name) is getattr(newton_schulz, name), name
+  for name in ("compute_dtype", "gram", "frame_norm", "explicit_spec",
+               "gram_sharding", "frame_scalar_sharding", "reshard_to", "like"):
+    assert getattr(geometry, name) is getattr(arrays, name), name
+  assert so.newton_schulz_steps is newton_schulz.newton_schulz_steps
+  for module in (arrays, newton_schulz):
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                 for a in n.names}
+    assert not any("geometry" in m for m in imported), (module, imported)
+    assert module is arrays or "stiefel_optax.arrays" in imported

@@ -234,7 +234,7 @@ def test_heads_sharded_moves_no_frame_between_devices(sharded):
     assert heads["collectives"][op] == [], op
   # No array data crosses devices: only whole-batch decisions, per frame
   # leaf one pred for "every frame certified" (the lax.cond of
-  # geometry._certified_polar), one for the fallback loop's "any frame
+  # newton_schulz._certified_polar), one for the fallback loop's "any frame
   # still active" (inside the cond's fallback branch) and one for "some
   # frame's ||G||^2 - ||sym(W^T G)||^2 cancels" (transforms.tangent_sq_norm).
   assert operands(heads["collectives"]["all-reduce"]) == {"pred[]": 12}
