@@ -76,7 +76,13 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
     An `optax.GradientTransformationExtraArgs` with the state of the chain
     check_orthonormal_start, scale_by_frame_adam, scale_by_learning_rate,
     clip_frame_norm, retract_polar, its update computed in one pass
-    (`one_pass_chain`); the update needs params.
+    (`one_pass_chain`); the update needs params. The state is the tuple
+    ``(EmptyState, ScaleByFrameAdamState(count, mu, nu), <lr state>,
+    EmptyState, EmptyState)``: [0] the start check, [1] the moments, [2]
+    the learning rate's (``ScaleByScheduleState(count)`` for a schedule,
+    else EmptyState), [3] the cap, [4] the retraction; without a cap
+    (max_step_norm=None) entry [3] is the retraction. Checkpoints store
+    this order (pinned by tests/test_state_layout.py).
 
   Raises:
     ValueError: for an invalid `max_step_norm`, `retraction` or
@@ -178,7 +184,12 @@ def one_pass_chain(
   Returns:
     An `optax.GradientTransformationExtraArgs` with the state of the chain
     above; its update needs params, and accepts and ignores extra arguments
-    (as `optax.chain` does).
+    (as `optax.chain` does). State layout, a tuple with one entry per link
+    (the order checkpoints store; tests/test_state_layout.py pins it):
+    ``state[:n]`` the n lead links' states, ``state[n]`` the learning
+    rate's (``ScaleByScheduleState`` for a schedule, else EmptyState), then
+    the cap's EmptyState (only with max_step_norm) and the retraction's
+    EmptyState. Reordering the links breaks saved checkpoints.
 
   Raises:
     ValueError: for an invalid `max_step_norm` or `retraction` (at once); at
