@@ -40,7 +40,7 @@ import platform
 import re
 import shlex
 import time
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -118,6 +118,54 @@ def matches(rec: Mapping, config: Optional[Mapping] = None,
   return rec.get("identity") == run_identity(
       rec.get("config") if config is None else config,
       rec.get("data") if data is None else data, recorded_version(rec))
+
+
+class Naming(NamedTuple):
+  """How an experiment spells its runs' names (`run_name`): the separator
+  between the parts, the seed's prefix, and the key that ends the name
+  where one store holds runs of several configurations: None (no key),
+  "identity" (the first 8 digits of `run_identity`: a new numerics
+  version names new runs) or "content" (of the configuration and data
+  alone, `digest([config, data], 8)`: the name outlives a numerics
+  version, the identity in the record decides reuse)."""
+  sep: str = "_"
+  seed: str = "seed"
+  key: Optional[str] = None
+
+
+def run_name(parts, seed: Optional[int], naming: Naming = Naming(), *,
+             config: Optional[Mapping] = None, data: Optional[str] = None,
+             version: Optional[str] = None) -> str:
+  """The one rule every experiment names its runs by: its parts (the arm,
+  a str, or the arm with what else sets the run apart in its store: its
+  stage, tuning point, size or rate), the seed (None: none, a store of one
+  tuning seed) and, by `naming.key`, a key to the configuration `config`
+  and data id `data` (under `version`, default this library's, for the
+  "identity" key), joined by `naming.sep`.
+
+  >>> run_name("adamw", 3)                                     # grokking
+  'adamw_seed3'
+  >>> lm = Naming(key="content")
+  >>> run_name("adamw", 0, lm, config={"arm": "adamw"}, data="d")
+  'adamw_seed0_cd004189'
+  >>> cifar = Naming("__", "s")
+  >>> run_name(("tune", "stiefel", "cap0.1_lr0.3"), 1000, cifar)
+  'tune__stiefel__cap0.1_lr0.3__s1000'
+  >>> run_name(("adamw", "eta0.01"), 0, cifar._replace(key="identity"),
+  ...          config={}, data="d", version="0.4.0")
+  'adamw__eta0.01__s0__f20c4082'
+  """
+  parts = [parts] if isinstance(parts, str) else list(parts)
+  if seed is not None:
+    parts.append(f"{naming.seed}{seed}")
+  if naming.key == "content":
+    parts.append(digest([config, data], 8))
+  elif naming.key == "identity":
+    parts.append(run_identity(config, data, version)[:8])
+  elif naming.key is not None:
+    raise ValueError(f"Naming.key: None, 'identity' or 'content'; got"
+                     f" {naming.key!r}.")
+  return naming.sep.join(parts)
 
 
 @functools.lru_cache(maxsize=None)

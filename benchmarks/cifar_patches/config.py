@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from benchmarks import study as study_lib
+from benchmarks import harness, study as study_lib
 from benchmarks.models import PatchViTConfig
 
 Task = study_lib.Task
@@ -35,15 +35,21 @@ QUICK = Config(model=PatchViTConfig(dim=16, heads=2, depth=1, mlp_ratio=2),
 PRESETS = {"default": DEFAULT, "quick": QUICK}
 
 
+# The CIFAR runs' spelling of `harness.run_name`: parts joined by "__", the
+# seed as s<seed>; a sweep's runs end in their identity's key.
+NAMING = harness.Naming("__", "s")
+SWEEP_NAMING = NAMING._replace(key="identity")
+
+
 def run_name(task: Task) -> str:
-  """A run's file name: tune__<arm>__<point>__s<seed> for a tuning run,
-  <arm>__n<n>__s<seed> for a paired run (the committed runs' names).
+  """A run's file name (`harness.run_name`): tune__<arm>__<point>__s<seed>
+  for a tuning run, <arm>__n<n>__s<seed> for a paired run.
 
   >>> run_name(Task("tune", "stiefel", {"lr": 0.3, "cap": 0.1}, {}, 1000))
   'tune__stiefel__cap0.1_lr0.3__s1000'
   >>> run_name(Task("discovery", "adamw", {}, {}, 0, 8068))
   'adamw__n8068__s0'
   """
-  if task.stage == "tune":
-    return f"tune__{task.arm}__{study_lib.point_key(task.point)}__s{task.seed}"
-  return f"{task.arm}__n{task.size}__s{task.seed}"
+  parts = (("tune", task.arm, study_lib.point_key(task.point))
+           if task.stage == "tune" else (task.arm, f"n{task.size}"))
+  return harness.run_name(parts, task.seed, NAMING)

@@ -27,7 +27,7 @@ import numpy as np
 import stiefel_optax as so
 from benchmarks import harness, sweep as sweep_lib, training
 from benchmarks.cifar_patches.arms import ARMS, frames_of
-from benchmarks.cifar_patches.config import DEFAULT, QUICK, Config
+from benchmarks.cifar_patches.config import DEFAULT, QUICK, SWEEP_NAMING, Config
 from benchmarks.cifar_patches import data as cifar_data
 from benchmarks.cifar_patches.data import seed_stream
 from benchmarks.cifar_patches.train import Trainer, init_params
@@ -78,8 +78,8 @@ def run_config(sweep: Sweep, arm: str, eta: float) -> dict:
 def task_name(sweep: Sweep, task: tuple, data_id: str) -> str:
   """<arm>__eta<eta>__s<seed>__<identity[:8]>."""
   arm, eta, seed = task
-  ident = harness.run_identity(run_config(sweep, arm, eta), data_id)
-  return f"{arm}__eta{eta:g}__s{seed}__{ident[:8]}"
+  return harness.run_name((arm, f"eta{eta:g}"), seed, SWEEP_NAMING,
+                          config=run_config(sweep, arm, eta), data=data_id)
 
 
 def names(sweep: Sweep, data_id: str) -> sweep_lib.Names:

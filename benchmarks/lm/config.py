@@ -74,10 +74,15 @@ QUICK = Config(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8,
 PRESETS = {"cpu": CPU, "gpu": GPU, "quick": QUICK}
 
 
+# <arm>_seed<seed>_<digest of the configuration and corpus> (`harness.run_name`).
+NAMING = harness.Naming(key="content")
+
+
 def run_name(cfg: Config, seed: int, data_id: str) -> str:
-  """<arm>_seed<seed>_<hash of the configuration and data>."""
-  digest = harness.digest([cfg.to_dict(), data_id], 8)
-  return f"{cfg.arm}_seed{seed}_{digest}"
+  """The run's name (`harness.run_name`: the arm, the seed and the key to
+  its configuration and corpus)."""
+  return harness.run_name(cfg.arm, seed, NAMING, config=cfg.to_dict(),
+                          data=data_id)
 
 
 def check_config(cfg: Config) -> None:
