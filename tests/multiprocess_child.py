@@ -9,11 +9,15 @@ devices per process) every parameter spans both processes: no process
 holds one whole. For each layout (heads split across the processes; FSDP,
 d split; data x model) it runs every host-side entry point on the global
 parameters and `TrainState.create` (tx.init outside jit), and trains an
-nnx model with `nnx.Optimizer` 3 steps; in the heads layout it also trains
-the linen model, its optimizer state saved and restored with orbax by every
-process between steps 2 and 3. It writes OUT/result_<PID>.json (each entry
-point's answers, which must be the same on every process) and, from
-process 0, OUT/params.npz (the final parameters, whole).
+nnx model 3 steps by Flax NNX's own sharding recipe, unchanged
+(`nnx.with_partitioning`, `nnx.logical_axis_rules`, `jax.set_mesh` on
+`jax.make_mesh`'s default mesh, Explicit axes in jax 0.10, and a plain
+`nnx.Optimizer`); in the heads layout it also trains the linen model
+(Auto axes, `state_shardings`), its optimizer state saved and restored
+with orbax by every process between steps 2 and 3. It writes
+OUT/result_<PID>.json (each entry point's answers, which must be the same
+on every process) and, from process 0, OUT/params.npz (the final
+parameters, whole).
 
 Importing this module does nothing (pytest's doctest collection imports it).
 """
@@ -60,6 +64,13 @@ def shardings(tree, mesh, rules):
     names = ("heads", "kv", "embed") if out else ("embed", "heads", "kv")
     return NamedSharding(mesh, P(*(rules.get(n) for n in names)))
   return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def spec(a):
+  """A global array's PartitionSpec, one entry (mesh axis or None) per
+  axis."""
+  e = list(a.sharding.spec) + [None] * (a.ndim - len(a.sharding.spec))
+  return [x[0] if isinstance(x, tuple) and len(x) == 1 else x for x in e]
 
 
 def put(tree, sh):
@@ -168,40 +179,56 @@ def run_linen(model, params, p_sh, x, y, ckpt):
 
 
 class NnxAttention(nnx.Module):
+  """An nnx attention whose kernels carry Flax logical axis names: the
+  output kernel's heads are `out_heads` (see run_nnx)."""
 
-  def __init__(self, rngs):
+  def __init__(self, rngs, out_heads="heads"):
+    init = nnx.initializers.lecun_normal()
     self.attn = nnx.MultiHeadAttention(
         num_heads=HEADS, in_features=D, qkv_features=D, decode=False,
-        use_bias=False, rngs=rngs)
+        use_bias=False, rngs=rngs,
+        kernel_init=nnx.with_partitioning(init, ("embed", "heads", "kv")),
+        out_kernel_init=nnx.with_partitioning(init,
+                                              (out_heads, "kv", "embed")))
 
   def __call__(self, x):
     return self.attn(x)
 
 
-def run_nnx(mesh, rules, x, y):
-  """nnx.Optimizer on global params (orthonormalized there), 3 steps. The
-  state is sharded by hand from so.state_shardings (the params carry no
-  sharding metadata for nnx to copy onto it)."""
-  model = NnxAttention(nnx.Rngs(0))
-  params = nnx.as_pure(nnx.state(model, nnx.Param))
-  p_sh = shardings(params, mesh, rules)
-  nnx.update(model, so.orthonormalize(put(params, p_sh)))
-  tx = so.stiefel_attention(LR)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  s_sh = so.state_shardings(tx, nnx.as_pure(nnx.state(model, nnx.Param)),
-                            p_sh)
-  jax.tree.map(lambda v, s: v.set_value(jax.device_put(v.get_value(), s)),
-               optimizer.opt_state, s_sh,
-               is_leaf=lambda v: isinstance(v, nnx.Variable))
+def run_nnx(shape, rules, xy):
+  """Flax NNX's own sharding recipe, as a user writes it on the cluster:
+  kernels with `nnx.with_partitioning`, a mesh from `jax.make_mesh`'s
+  defaults (Explicit axes in jax 0.10) set by `jax.set_mesh`,
+  `nnx.logical_axis_rules`, and a plain `nnx.Optimizer` (the state's
+  shardings follow the kernels'; no `state_shardings`, no device_put).
+  Orthonormalized on the global params, 3 steps. Returns the final
+  params and {the mesh's axis types, the query kernel's mu and nu
+  shardings}."""
+  mesh = jax.make_mesh(shape, ("data", "model"))
+  explicit = AxisType.Explicit in mesh.axis_types
+  # Flax's attention cannot contract a heads-sharded output kernel under
+  # Explicit axes (its einsum names no out_sharding; AdamW's too): there
+  # the output kernel's heads stay whole. Auto axes shard them as well.
+  out_heads = None if explicit and rules.get("heads") else "heads"
+  logical = tuple((n, rules.get(n)) for n in ("embed", "heads", "kv"))
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(logical):
+    model = NnxAttention(nnx.Rngs(0), out_heads)
+    nnx.update(model, so.orthonormalize(nnx.state(model, nnx.Param)))
+    optimizer = nnx.Optimizer(model, so.stiefel_attention(LR), wrt=nnx.Param)
 
-  @nnx.jit
-  def step(model, optimizer, x, y):
-    grads = nnx.grad(lambda m: loss(m(x), y))(model)
-    optimizer.update(model, grads)
+    @nnx.jit
+    def step(model, optimizer, x, y):
+      grads = nnx.grad(lambda m: loss(m(x), y))(model)
+      optimizer.update(model, grads)
 
-  for _ in range(3):
-    step(model, optimizer, x, y)
-  return whole(nnx.as_pure(nnx.state(model, nnx.Param)))
+    x, y = put(xy, [NamedSharding(mesh, P(rules.get("batch")))] * 2)
+    for _ in range(3):
+      step(model, optimizer, x, y)
+  fs = nnx.as_pure(optimizer.opt_state).stiefel[1]
+  return whole(nnx.as_pure(nnx.state(model, nnx.Param))), {
+      "axis_types": [t.name for t in mesh.axis_types],
+      "mu": spec(fs.mu["attn"]["query"]["kernel"]),
+      "nu": spec(fs.nu["attn"]["query"]["kernel"])}
 
 
 def main(out, pid=0, nproc=1, port=0):
@@ -216,13 +243,15 @@ def main(out, pid=0, nproc=1, port=0):
   results, final, start = {}, {}, time.time()
   for name, (shape, rules) in LAYOUTS.items():
     print(f"{time.time() - start:.1f}s: {name}", file=sys.stderr, flush=True)
+    # The entry points and linen's recipe: Auto axes (nnx: run_nnx's mesh).
     mesh = jax.make_mesh(shape, ("data", "model"),
                          axis_types=(AxisType.Auto,) * 2)
     batch = NamedSharding(mesh, P(rules.get("batch")))
     x, y = put(xy, [batch] * 2)
     model, params, p_sh = linen_params(mesh, rules, x)
     results[name] = entry_points(params, so.stiefel_attention(LR))
-    trained = {"nnx": run_nnx(mesh, rules, x, y)}
+    trained = {}
+    trained["nnx"], results[name]["nnx"] = run_nnx(shape, rules, xy)
     if name == "heads":
       trained["linen"], results[name]["restored"] = run_linen(
           model, params, p_sh, x, y, os.path.join(out, "ckpt"))

@@ -9,8 +9,11 @@ The host-side entry points (tx.init's start check through linen's
 whole, and reach the same decision on every process: a bad start raises
 the same error on both (a process that raised alone would leave the other
 waiting in a collective). Layouts: heads split across the processes, FSDP
-(d split), data x model. The trained parameters equal, to rounding, those
-of the same script run as one process of 8 devices, saved in
+(d split), data x model. The nnx model trains by Flax NNX's own sharding
+recipe as a user writes it (kernels' logical names, `jax.make_mesh`'s
+default mesh, Explicit axes in jax 0.10, a plain `nnx.Optimizer`): its
+state is split as its kernels. The trained parameters equal, to rounding,
+those of the same script run as one process of 8 devices, saved in
 tests/multiprocess_reference.npz by
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
@@ -41,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import stiefel_optax as so
 from stiefel_optax import checks
@@ -117,6 +120,16 @@ def test_two_processes_decide_alike_and_train_as_one(tmp_path):
                     r["init_deficient"])
     assert re.match(r"check_orthonormal_start: parameter \['w'\] .* not"
                     " orthonormal", r["adam_init_bad"])
+  # nnx.Optimizer, plain, on jax.make_mesh's default mesh (Explicit axes in
+  # jax 0.10): the state is split as its kernel (mu (heads, d, kv)).
+  for layout, mu in (("heads", ["model", None, None]),
+                     ("fsdp", [None, "model", None]),
+                     ("data_model", ["model", None, None])):
+    nnx_state = results[0][layout]["nnx"]
+    assert nnx_state["mu"] == mu, (layout, nnx_state)
+    assert nnx_state["nu"] == mu[:1], (layout, nnx_state)
+    if jax.make_mesh((1,), ("x",)).axis_types == (AxisType.Explicit,):
+      assert nnx_state["axis_types"] == ["Explicit"] * 2, nnx_state
   assert results[0]["heads"]["restored"] is True   # orbax, bit for bit
   # The cluster's training is the single process's, to rounding.
   got, want = np.load(tmp_path / "params.npz"), np.load(REFERENCE)
