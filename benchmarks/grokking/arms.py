@@ -44,19 +44,34 @@ def targeted(params):
   return jax.tree_util.tree_map_with_path(on, params)
 
 
+def schedule(cfg, lr: float):
+  """lr, or a linear warmup from 0 at step 0 to lr at cfg.warmup_steps
+  (then constant) where cfg.warmup_steps > 0.
+
+  >>> from benchmarks.grokking.config import Config
+  >>> round(float(schedule(Config(warmup_steps=10), 1e-3)(5)), 8)
+  0.0005
+  """
+  if not cfg.warmup_steps:
+    return lr
+  return optax.linear_schedule(0.0, lr, cfg.warmup_steps)
+
+
 def make_optimizer(cfg, arm: str) -> optax.GradientTransformation:
   """The arm's optimizer (cfg: a `config.Config`): AdamW on every weight
   (adamw), or the Q/K frames on Stiefel-Adam (stiefel) or on fixed-step
   RSGD (the rsgd probe) at the arm's Q/K lr (stiefel: None means
   learning_rate) and every other weight on AdamW, its decay as `DECAY`
-  says (default: cfg.weight_decay on every weight it trains)."""
+  says (default: cfg.weight_decay on every weight it trains); both with
+  cfg.eps and cfg.warmup_steps' linear warmup (`schedule`)."""
   if arm not in ARMS:
     raise ValueError(f"arm must be one of {tuple(ARMS)}; got {arm!r}.")
   a, decay = ARMS[arm], DECAY.get(arm)
-  adamw = optax.adamw(cfg.learning_rate, cfg.b1, cfg.b2,
+  adamw = optax.adamw(schedule(cfg, cfg.learning_rate), cfg.b1, cfg.b2,
+                      cfg.eps,
                       weight_decay=0.0 if decay == "none" else cfg.weight_decay,
                       **({"mask": targeted} if decay == "targeted" else {}))
   lr = getattr(cfg, a.fields[0]) if a.fields else None
   return training.arm_optimizer(
-      a, adamw, cfg.learning_rate if lr is None else lr, b1=cfg.b1,
-      b2=cfg.b2, cap=cfg.max_step_norm)
+      a, adamw, schedule(cfg, cfg.learning_rate if lr is None else lr),
+      b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, cap=cfg.max_step_norm)

@@ -1,15 +1,23 @@
-"""The study: which runs (`Study`, its presets `STUDIES`), its jobs
-(arm, seed, steps) in order, split between parallel processes and run in
-order (`benchmarks.study.run_list`), each resumable, with an optional time
-budget; and what the report (`benchmarks.reports.grokking`) reads: a
-results folder's study (its study.json) and every saved run of it, partial
-ones included, under any library version.
+"""The studies: which runs, their jobs (arm, seed, steps) in order, split
+between parallel processes and run in order (`benchmarks.study.run_list`),
+each resumable, with an optional time budget; and what the report
+(`benchmarks.reports.grokking`) reads: a results folder's study (its
+study.json) and every saved run of it, partial ones included, under any
+library version.
 
-Grokking's study is a fixed list, not a plan: no tuning, every seed a
-discovery seed, a long run that continues one seed's run and an rsgd probe,
-and a run's length varies (so the progress bar counts steps, not runs).
-What `benchmarks.study` plans (tuning grids, discovery and confirmation
-blocks) does not apply; its runner does.
+Two kinds:
+
+- `PairedStudy` (`PAIRED`: the two five-seed studies `frac0.5` and
+  `frac0.3`, the slingshot pilot `slingshot`, and `quick`): the shared
+  study (`benchmarks.study`) of its arms at the configuration's fixed
+  rates, nothing tuned: discovery seeds first, then the confirmation seeds
+  (`harness.seed_block`: 500 on), seed-major, every run `steps` long. Its
+  report gives paired tables per endpoint and seed block, Holm across each
+  table's rows, and the claims policy's findings.
+- `Study` (`STUDIES`: default, full, quick): the 0.1.0 fixed list (the
+  main job and the committed reference folders): every seed a discovery
+  seed, a long run that continues one seed's run and an rsgd probe, runs
+  of different lengths (so the progress bar counts steps, not runs).
 """
 
 from __future__ import annotations
@@ -49,6 +57,78 @@ STUDIES = {
                   probe_steps=500),
     "quick": Study(steps=100, seeds=(0, 1), probe_steps=50),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedStudy:
+  """The shared study (`shared`) of `arms` (the reference first) on `seeds`
+  (those below 500 the discovery block, the others the confirmation block,
+  fixed before any run), every run `steps` long (runs that never reach
+  the target accuracy are censored there)."""
+  steps: int
+  seeds: tuple
+  arms: tuple = ("adamw", "stiefel")
+  kind: str = "paired"
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "PairedStudy":
+    return cls(**{k: tuple(v) if isinstance(v, list) else v
+                  for k, v in d.items()})
+
+
+FIVE_AND_FIVE = (0, 1, 2, 3, 4, 500, 501, 502, 503, 504)
+SLINGSHOT_ARMS = ("adam", "stiefel_nodecay", "stiefel_targeted",
+                  "adamw_targeted")
+# The paired studies of the presets of the same names (config.PRESETS);
+# --study runs the one of the preset (frac0.5, frac0.3 and slingshot are
+# paired studies with or without it). Step budgets: train fraction 0.5
+# groks in about 500 steps (0.1.0 runs), 0.3 in thousands or never within
+# 10,000; the slingshot pilot's length and seeds are the plan's to fix.
+PAIRED = {
+    "frac0.5": PairedStudy(steps=3000, seeds=FIVE_AND_FIVE),
+    "frac0.3": PairedStudy(steps=10000, seeds=FIVE_AND_FIVE),
+    "slingshot": PairedStudy(steps=100000, seeds=(0, 1, 2),
+                             arms=SLINGSHOT_ARMS),
+    "quick": PairedStudy(steps=100, seeds=(0, 500)),
+    "default": PairedStudy(steps=1000, seeds=FIVE_AND_FIVE),
+    "full": PairedStudy(steps=3000, seeds=FIVE_AND_FIVE),
+}
+
+
+def shared(study: PairedStudy) -> study_lib.Study:
+  """The study as `benchmarks.study` plans it: every arm main, nothing to
+  tune (no grid: its choice is the configuration's rates), the reference
+  arm the base."""
+  return study_lib.Study(
+      arms=tuple(study_lib.PlanArm(a, ()) for a in study.arms),
+      tune_seeds=(), main_seeds=tuple(study.seeds), other_seeds=(),
+      base_arm=study.arms[0])
+
+
+def finished(cfg: Config, study: PairedStudy,
+             out: Optional[Path]) -> study_lib.Finished:
+  """The study's finished runs in `out` (under this identity, at `steps`)
+  as `benchmarks.study` reads them."""
+  ident = harness.run_identity(cfg.to_dict(), data_id(cfg.p, cfg.op))
+  store = harness.RunStore(out) if out is not None else None
+
+  def record(task):
+    run = (store.load(run_name(task.arm, task.seed), ident)
+           if store is not None else None)
+    return run if run and run["history"]["step"][-1] >= study.steps else None
+
+  return study_lib.Finished(record, lambda _: 0.0,
+                            lambda t: run_name(t.arm, t.seed))
+
+
+def jobs(cfg: Config, study, out: Optional[Path]) -> list:
+  """(arm, seed, steps) in run order: the paired study's plan
+  (`benchmarks.study.plan`: discovery seeds, then confirmation seeds,
+  seed-major), or the fixed list's `schedule`."""
+  if isinstance(study, PairedStudy):
+    return [(t.arm, t.seed, study.steps) for t in study_lib.plan(
+        shared(study), finished(cfg, study, out))]
+  return schedule(study)
 
 
 def schedule(study: Study) -> list:
@@ -98,13 +178,13 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
   keyed arm -> seed. With time_budget > 0 it stops before a job expected
   to end past that many seconds (the steps it has left, at the seconds per
   step trained so far in this call); the first job always runs."""
-  jobs = schedule(study)
+  todo = jobs(cfg, study, out)
   if parts > 1:
-    jobs = part_of(cfg, jobs, out, part, parts)
+    todo = part_of(cfg, todo, out, part, parts)
   bar = None
   if show_progress:
     from tqdm import tqdm
-    bar = tqdm(total=sum(j[2] for j in jobs), unit="step", desc="grokking",
+    bar = tqdm(total=sum(j[2] for j in todo), unit="step", desc="grokking",
                mininterval=5.0)
   runs = {arm: {} for arm in study.arms + (PROBE_ARM,)}
   spent = [0.0, 0]   # seconds and steps trained so far (resumed ones not)
@@ -126,7 +206,7 @@ def run_study(cfg: Config, study: Study, out: Optional[Path],
 
   # The shared runner; the bar counts steps here (a run's length varies).
   left = study_lib.run_list(
-      jobs, execute, desc="grokking", describe=lambda job, _: f"{job[0]}"
+      todo, execute, desc="grokking", describe=lambda job, _: f"{job[0]}"
       f" seed {job[1]}: step {job[2]}", log=lambda _: None, progress=False,
       expected_s=expected_s, time_budget=time_budget)
   if bar is not None:
@@ -158,7 +238,7 @@ def saved_study(cfg: Config, study: Study, out: Path,
                 runs_from: Sequence[str] = ()) -> dict:
   """Every saved run of the study as it is (partial runs included)."""
   runs = {arm: {} for arm in study.arms + (PROBE_ARM,)}
-  for arm, seed, _ in schedule(study):
+  for arm, seed, _ in jobs(cfg, study, None):
     run = load_run(cfg, arm, seed, out, runs_from)
     if run is not None:
       runs[arm][seed] = run
@@ -170,7 +250,8 @@ def load_spec(out: Path):
   spec = harness.read_json(out / "study.json")
   if spec is None:
     return None
-  return (Config(**spec["config"]), Study.from_dict(spec["study"]),
+  kind = (PairedStudy if spec["study"].get("kind") == "paired" else Study)
+  return (Config(**spec["config"]), kind.from_dict(spec["study"]),
           tuple(spec.get("runs_from", ())))
 
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from benchmarks import harness, stats
+from benchmarks import harness, stats, study as study_lib
 from benchmarks.harness import fmt_p
 
 # `benchmarks.grokking`'s Config and Study: duck-typed here, since a report
@@ -478,7 +478,7 @@ def report(out: Path, cfg: Config, study: Study, runs: dict, probe_arm: str,
   meta = provenance(runs, out)
   table = markdown(cfg, study, res, meta, harness.read_notes(out / "notes.md"))
   harness.write_json(out / "results.json", dict(
-      meta=meta, config=dataclasses.asdict(cfg),
+      meta=meta, config=cfg.to_dict(),
       study=dataclasses.asdict(study), **res))
   harness.write_text(out / "table.md", table + "\n")
   if plots:
@@ -514,3 +514,355 @@ def write_section(path: Path, load: Callable[[Path], tuple], probe_arm: str,
   """The Grokking section (`section_text`) into the RESULTS.md at `path`."""
   harness.write_section(path, SECTION, section_text(load, probe_arm,
                                                     plots=plots))
+
+
+# --------------------------------------------------------------------------
+# Paired studies (the shared study, `benchmarks.grokking.study.PairedStudy`):
+# per-endpoint paired tables per seed block, Holm across each table's rows,
+# the claims policy's findings; and, per arm, the slingshot pilot's rules.
+
+LAST_LAYER = "unembed/kernel"   # the unembedding: the pilot's "last layer"
+
+# The endpoints of the paired tables: (key, label, digits, lower is better).
+ENDPOINTS = (("steps_to_target", "steps to {pct}% val acc", 0, True),
+             ("final_val_acc", "final val acc", 4, False),
+             ("min_val_acc_after", "min val acc after first {pct}%", 4,
+              False))
+
+
+class CycleRule(NamedTuple):
+  """The slingshot-cycle rule's constants (proposed; the plan fixes them).
+
+  ratio, floor: a record is a spike where its largest batch loss exceeds
+    both `ratio` times the median of the largest batch losses of the
+    `window` records before it and the absolute `floor` (a loss near 0 that
+    jumps 10x is no collapse).
+  window: the records of the running median, and of the norm's rise.
+  rise: the spike must follow a rise of the last layer's norm: at the
+    record before the spike that norm is at least (1 + rise) times its
+    smallest value over the `window` records before the spike.
+  separation: spikes closer than this many steps to the previous spike
+    belong to one cycle (a burst of spikes counts once).
+  """
+  ratio: float = 10.0
+  floor: float = 0.1
+  window: int = 20
+  rise: float = 0.05
+  separation: int = 1000
+
+
+def count_cycles(steps: Sequence[int], loss_max: Sequence[Optional[float]],
+                 last_norm: Sequence[float],
+                 rule: CycleRule = CycleRule()) -> list:
+  """The slingshot cycles of a run's records: the steps at which a cycle's
+  spike is counted. A record is a spike when its largest batch loss since
+  the previous record (`loss_max`, None where not recorded) is above
+  `rule.ratio` x the median over the `rule.window` records before it and
+  above `rule.floor`, and the last layer's norm (`last_norm`) rose before
+  it (at the record before the spike, >= (1 + rule.rise) x its minimum over
+  those records). A spike within `rule.separation` steps of the previous
+  spike (counted or not) continues that cycle; any other starts a new one.
+
+  >>> steps = list(range(0, 1300, 100))
+  >>> loss = [None] + [0.01] * 5 + [2.0] + [0.01] * 5 + [3.0]
+  >>> norm = [1, 1, 1.1, 1.2, 1.3, 1.4, 1.4, 1.4, 1.5, 1.6, 1.7, 1.8, 1.8]
+  >>> count_cycles(steps, loss, norm, CycleRule(window=4, separation=300))
+  [600, 1200]
+  >>> count_cycles(steps, loss, [1.0] * 13, CycleRule(window=4))  # no rise
+  []
+  """
+  cycles, last_spike = [], None
+  for i in range(1, len(steps)):
+    x = loss_max[i]
+    lo = max(0, i - rule.window)
+    before = [v for v in loss_max[lo:i] if v is not None]
+    if x is None or not before:
+      continue
+    norms = last_norm[lo:i]
+    if not (x > rule.floor and x > rule.ratio * float(np.median(before))
+            and norms[-1] >= (1.0 + rule.rise) * min(norms)):
+      continue
+    if last_spike is None or steps[i] - last_spike >= rule.separation:
+      cycles.append(steps[i])
+    last_spike = steps[i]
+  return cycles
+
+
+def stability(steps: Sequence[int], val_acc: Sequence[float],
+              target: float = 0.95, floor: float = 0.9) -> dict:
+  """"Stable grokking": after validation accuracy first reaches `target`,
+  it never falls below `floor`. Returns grok_step (the first record at or
+  above target; None: never), stable (grokked and never fell), falls (the
+  number of separate falls: maximal runs of consecutive records below
+  floor after grok_step), deepest (the lowest validation accuracy in a
+  fall; None without one), min_after (the lowest from grok_step on) and
+  records_below (records below floor after grok_step).
+
+  >>> s = stability([0, 1, 2, 3, 4, 5, 6], [0.1, 0.96, 0.8, 0.95, 0.85,
+  ...               0.7, 0.99])
+  >>> s["grok_step"], s["stable"], s["falls"], s["deepest"], s["records_below"]
+  (1, False, 2, 0.7, 3)
+  >>> stability([0, 1], [0.1, 0.5])["grok_step"] is None
+  True
+  """
+  hit = next((i for i, a in enumerate(val_acc) if a >= target), None)
+  if hit is None:
+    return dict(grok_step=None, stable=False, falls=None, deepest=None,
+                min_after=None, records_below=None)
+  after = list(val_acc[hit:])
+  below = [a < floor for a in after]
+  falls = sum(1 for i, b in enumerate(below) if b and (i == 0 or not
+                                                       below[i - 1]))
+  return dict(grok_step=steps[hit], stable=falls == 0, falls=falls,
+              deepest=min(a for a in after if a < floor) if falls else None,
+              min_after=min(after), records_below=sum(below))
+
+
+def last_norm_curve(hist: dict) -> list:
+  """The last layer's (the unembedding's) norm at each record."""
+  return [r[LAST_LAYER] for r in hist["norms"]]
+
+
+def pilot_summary(run: dict, target: float, steps: int,
+                  rule: CycleRule = CycleRule()) -> dict:
+  """One run's paired-study summary: its endpoints (steps to target,
+  censored at steps + 1 where never reached; final validation accuracy;
+  minimum after the first target), its stability (`stability`), its
+  slingshot cycles (`count_cycles`; none in a run without batch-loss
+  records) and its Q/K isometry error: the mean frame's over the run
+  (geometric mean over records after step 0, maximum) and the largest at
+  the records of its cycles (the records at and after each spike)."""
+  h = run["history"]
+  st = stability(h["step"], h["val_acc"], target)
+  loss_max = h.get("batch_loss_max") or [None] * len(h["step"])
+  cycles = count_cycles(h["step"], loss_max, last_norm_curve(h), rule)
+  iso = np.maximum(iso_curve(h), np.finfo(np.float32).tiny)
+  iso_run = iso[1:] if iso.size > 1 else iso     # step 0: the start
+  at = [i for i, s in enumerate(h["step"]) for c in cycles
+        if s in (c, c + (h["step"][1] - h["step"][0]))]
+  return dict(
+      arm=run["arm"], seed=run["seed"], steps=h["step"][-1],
+      steps_to_target=(steps + 1 if st["grok_step"] is None
+                       else st["grok_step"]),
+      grokked=st["grok_step"] is not None, final_val_acc=h["val_acc"][-1],
+      final_train_acc=h["train_acc"][-1], min_val_acc_after=st["min_after"],
+      stable=st["stable"], falls=st["falls"], deepest=st["deepest"],
+      records_below=st["records_below"], cycles=cycles,
+      iso_geomean=float(np.exp(np.log(iso_run).mean())),
+      iso_max=float(iso_run.max()),
+      iso_max_at_cycles=float(iso[at].max()) if at else None,
+      final_last_norm=float(last_norm_curve(h)[-1]), wall_s=run["wall_s"])
+
+
+def endpoint_tables(arms: Sequence[str], summaries: dict, block: str,
+                    pct: int) -> list:
+  """The paired tables of one seed block: per endpoint (`ENDPOINTS`) the
+  rows of `stats.comparison_rows` (`benchmarks.study.comparison_pairs`:
+  each arm against the reference arms[0], then the Stiefel arm against
+  each other), Holm across the table's rows. The minimum after the
+  target pairs only the seeds where both arms reached it."""
+  method = next((a for a in ("stiefel", "stiefel_targeted") if a in arms),
+                arms[min(1, len(arms) - 1)])
+  pairs = [dict(treatment=t, baseline=b) for t, b in
+           study_lib.comparison_pairs(arms, arms[0], method)]
+  out = []
+  for key, label, digits, lower in ENDPOINTS:
+    score = lambda c, role, key=key: {
+        s: r[key] for s, r in summaries.get(c[role], {}).items()
+        if harness.seed_block(s) == block and r[key] is not None}
+    out.append(dict(endpoint=key, label=label.format(pct=pct),
+                    digits=digits, rows=stats.comparison_rows(
+                        pairs, score, lower_is_better=lower)))
+  return out
+
+
+def findings(disc: list, conf: list, arms: Sequence[str]) -> list:
+  """The claims policy per endpoint (`stats.confirmed`): the confirmation
+  rows that are findings."""
+  return [dict(endpoint=d["endpoint"], rows=stats.confirmed(
+      d["rows"], c["rows"], arms=arms)) for d, c in zip(disc, conf)]
+
+
+def pilot_table(arms: Sequence[str], summaries: dict) -> list:
+  """Per arm and seed: the slingshot cycles, the grokking step, the
+  stability figures and the Q/K isometry error (through the collapses)."""
+  fmt = lambda x, f="{:.3g}": "n/a" if x is None else f.format(x)
+  rows = []
+  for arm in arms:
+    for seed, r in sorted(summaries.get(arm, {}).items()):
+      rows.append([arm, seed, len(r["cycles"]),
+                   ", ".join(str(c) for c in r["cycles"][:8])
+                   + (" ..." if len(r["cycles"]) > 8 else ""),
+                   fmt(r["steps_to_target"] if r["grokked"] else None,
+                       "{:.0f}"),
+                   "n/a" if not r["grokked"] else
+                   ("yes" if r["stable"] else "no"),
+                   fmt(r["falls"], "{:d}"), fmt(r["deepest"], "{:.4f}"),
+                   f"{r['final_val_acc']:.4f}", fmt(r["iso_geomean"]),
+                   fmt(r["iso_max"]), fmt(r["iso_max_at_cycles"]),
+                   f"{r['final_last_norm']:.2f}"])
+  return harness.markdown_table(
+      ["arm", "seed", "cycles", "cycle steps", "grokked at",
+       "stable (never < 90% after)", "falls < 90%", "deepest fall",
+       "final val acc", "Q/K iso error (geo. mean)", "max", "max at cycles",
+       "final last-layer norm"], "lr" + "r" * 11, rows)
+
+
+def iso_ratios(arms: Sequence[str], summaries: dict) -> list:
+  """Per pair of arms (`benchmarks.study.comparison_pairs`, reference
+  arms[0]): baseline / treatment of the Q/K isometry error, geometric
+  mean over the seeds of each run's geometric mean and of its maximum."""
+  geo = lambda arm, key: float(np.exp(np.mean(np.log(
+      [r[key] for r in summaries[arm].values()]))))
+  method = next((a for a in ("stiefel", "stiefel_targeted") if a in arms),
+                arms[min(1, len(arms) - 1)])
+  out = []
+  for t, b in study_lib.comparison_pairs(arms, arms[0], method):
+    if summaries.get(t) and summaries.get(b):
+      out.append(dict(treatment=t, baseline=b,
+                      geomean=geo(b, "iso_geomean") / geo(t, "iso_geomean"),
+                      max=geo(b, "iso_max") / geo(t, "iso_max")))
+  return out
+
+
+def plot_arms(runs: dict, summaries: dict, path: Path, title: str) -> None:
+  """One column per arm, every seed: validation (solid) and training
+  (dotted) accuracy, the last layer's norm, the Q/K isometry error (log
+  y) and the largest batch loss per record (log y), the counted cycles
+  marked, all against step."""
+  plt = harness.pyplot()
+  arms = [a for a in runs if runs[a]]
+  fig, axes = plt.subplots(4, len(arms), figsize=(4.5 * len(arms), 12),
+                           squeeze=False, sharex="col", sharey="row")
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for j, arm in enumerate(arms):
+    for i, (seed, r) in enumerate(sorted(runs[arm].items())):
+      h, c = r["history"], colors[i % len(colors)]
+      axes[0, j].plot(h["step"], h["val_acc"], color=c, lw=1,
+                      label=f"seed {seed}")
+      axes[0, j].plot(h["step"], h["train_acc"], color=c, lw=1, ls=":")
+      axes[1, j].plot(h["step"], last_norm_curve(h), color=c, lw=1)
+      axes[2, j].semilogy(h["step"], np.maximum(iso_curve(h), 1e-12),
+                          color=c, lw=1)
+      lm = [(s, v) for s, v in zip(h["step"], h.get("batch_loss_max") or [])
+            if v is not None]
+      if lm:
+        axes[3, j].semilogy(*zip(*lm), color=c, lw=1)
+      for cyc in summaries[arm][seed]["cycles"]:
+        axes[3, j].axvline(cyc, color=c, lw=0.5, ls="--")
+    axes[0, j].set_title(arm)
+    axes[0, j].legend(fontsize=7)
+    axes[3, j].set_xlabel("step")
+  for ax, label in zip(axes[:, 0], (
+      "accuracy (val solid, train dotted)", "last-layer (unembedding) norm",
+      "Q/K isometry error (mean frame)",
+      "largest batch loss per record (cycles dashed)")):
+    ax.set_ylabel(label)
+  fig.suptitle(title)
+  harness.save_figure(fig, path, dpi=90)
+
+
+def paired_markdown(cfg: Config, study: Study, res: dict, meta: dict,
+                    notes: str = "") -> str:
+  pct = int(round(100 * cfg.target_acc))
+  batch = (f"minibatches of {cfg.batch_size} (per-epoch shuffle)"
+           if getattr(cfg, "batch_size", 0) else "full batch")
+  warm = getattr(cfg, "warmup_steps", 0)
+  parts = [
+      f"Task (a {cfg.op} b) mod {cfg.p}, train fraction {cfg.train_fraction},"
+      f" {batch}; {cfg.num_layers}-layer transformer d = {cfg.d_model},"
+      f" {cfg.num_heads} heads, MLP {cfg.d_mlp}; AdamW lr {cfg.learning_rate}"
+      f" (b1 {cfg.b1}, b2 {cfg.b2}, eps {getattr(cfg, 'eps', 1e-8):g}"
+      + (f", {warm} warmup steps" if warm else "") + f"), weight decay"
+      f" {cfg.weight_decay} (where the arm decays); Stiefel lr"
+      f" {cfg.stiefel_learning_rate or cfg.learning_rate}, trust region"
+      f" {cfg.max_step_norm}. Arms {', '.join(study.arms)} (reference"
+      f" {study.arms[0]}), {study.steps} steps each, at fixed rates (nothing"
+      " tuned).",
+      "",
+      f"Steps to {pct}% are read on the {cfg.log_every}-step logging grid; a"
+      f" run that never reaches {pct}% is counted at {study.steps + 1} (the"
+      " step budget + 1: censored, so its difference is a lower bound) and"
+      " the never-reached runs are counted per arm below. The minimum"
+      f" validation accuracy after the first {pct}% pairs only the seeds"
+      f" where both arms reached {pct}%. Paired t over seeds"
+      " (`benchmarks/stats.py`), Holm across each table's rows; a finding"
+      " needs Holm p < 0.05 on the confirmation seeds and the same sign on"
+      " the discovery seeds (the claims policy).",
+  ]
+  for block in ("discovery", "confirmation"):
+    seeds = sorted({s for by in res["summaries"].values() for s in by
+                    if harness.seed_block(s) == block})
+    if not seeds:
+      continue
+    never = ", ".join(
+        f"{a} {sum(not r['grokked'] for s, r in res['summaries'][a].items() if harness.seed_block(s) == block)}"
+        f"/{sum(harness.seed_block(s) == block for s in res['summaries'][a])}"
+        for a in study.arms if res["summaries"].get(a))
+    parts += ["", f"**{block.capitalize()} seeds** {harness.format_seeds(seeds)}"
+              f" (never reached {pct}%: {never}).", ""]
+    for t in res["tables"][block]:
+      parts += [f"{t['label']}" + (" (censored)" if t["endpoint"] ==
+                                   "steps_to_target" else "") + ":", ""]
+      parts += (harness.comparison_lines(t["rows"], t["label"], t["digits"])
+                if t["rows"] else ["(no common seeds yet)"]) + [""]
+  found = [f"{f['endpoint']}: " + "; ".join(
+      harness.finding_text(r, "", 4) for r in f["rows"])
+      for f in res["findings"] if f["rows"]]
+  parts += ["Findings (confirmed): " + ("; ".join(found) if found else
+                                        "none" + ("" if res["complete"] else
+                                                  " (confirmation incomplete)"))
+            + ".", ""]
+  parts += ["Per run: slingshot cycles (`count_cycles`: largest batch loss"
+            f" > {res['rule']['ratio']:g}x its median over the"
+            f" {res['rule']['window']} records before and > "
+            f"{res['rule']['floor']:g}, after a last-layer norm rise of"
+            f" >= {100 * res['rule']['rise']:g}%, spikes"
+            f" {res['rule']['separation']} steps apart), stable grokking"
+            f" (`stability`: never below 90% after the first {pct}%) and the"
+            " Q/K isometry error ||W^T W - I||_F of the mean head frame (raw"
+            " kernels for the unconstrained arms):", ""]
+  parts += pilot_table(study.arms, res["summaries"])
+  if res["iso_ratios"]:
+    parts += ["", "Q/K isometry error, baseline / treatment: " + "; ".join(
+        f"{r['baseline']} / {r['treatment']} {r['geomean']:.3g} (geometric"
+        f" means), {r['max']:.3g} (maxima)" for r in res["iso_ratios"]) + "."]
+  if notes:
+    parts += ["", notes]
+  parts += ["", provenance_text(meta)]
+  return "\n".join(parts)
+
+
+def paired_report(out: Path, cfg: Config, study: Study, runs: dict,
+                  plots: bool = True, rule: CycleRule = CycleRule()) -> dict:
+  """results.json, table.md and arms.png of a paired study's folder from
+  its saved runs (each cut to study.steps; partial runs reported as far as
+  they reached), its study and its notes.md; returns dict(meta, results,
+  table, study)."""
+  main = {a: {s: truncate(r, study.steps) for s, r in runs.get(a, {}).items()}
+          for a in study.arms}
+  summaries = {a: {s: pilot_summary(r, cfg.target_acc, study.steps, rule)
+                   for s, r in by.items()} for a, by in main.items()}
+  pct = int(round(100 * cfg.target_acc))
+  tables = {b: endpoint_tables(study.arms, summaries, b, pct)
+            for b in ("discovery", "confirmation")}
+  disc, conf = tables["discovery"], tables["confirmation"]
+  res = dict(summaries=summaries, tables=tables, rule=rule._asdict(),
+             findings=findings(disc, conf, study.arms),
+             # every run counts in steps to target (censored): its
+             # tables say whether the confirmation block is complete
+             complete=stats.confirmation_complete(
+                 disc[0]["rows"], conf[0]["rows"], arms=study.arms),
+             iso_ratios=iso_ratios(study.arms, summaries))
+  meta = provenance({a: by for a, by in runs.items() if by}, out)
+  table = paired_markdown(cfg, study, res, meta,
+                          harness.read_notes(out / "notes.md"))
+  harness.write_json(out / "results.json", dict(
+      meta=meta, config=cfg.to_dict(),
+      study=dataclasses.asdict(study), **res))
+  harness.write_text(out / "table.md", table + "\n")
+  if plots and any(main.values()):
+    plot_arms(main, summaries, out / "arms.png",
+              f"(a {cfg.op} b) mod {cfg.p}, train fraction"
+              f" {cfg.train_fraction}: every seed, one column per arm")
+  return dict(meta=meta, results=res, table=table, study=study)
