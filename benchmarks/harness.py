@@ -268,6 +268,21 @@ def write_json(path: os.PathLike, obj, indent: Optional[int] = None) -> None:
   write_text(path, json.dumps(obj, indent=indent))
 
 
+def json_value(x):
+  """A number or array as a run records it: floats (lists for an array),
+  a non-finite float (or None) as None.
+
+  >>> json_value(np.float32(0.5)), json_value([1.0, np.inf]), json_value(None)
+  (0.5, [1.0, None], None)
+  """
+  if x is None:
+    return None
+  a = np.asarray(x, np.float64)
+  if a.ndim:
+    return [json_value(v) for v in a]
+  return float(a) if np.isfinite(a) else None
+
+
 def read_json(path: os.PathLike):
   path = pathlib.Path(path)
   return json.loads(path.read_text()) if path.is_file() else None

@@ -30,7 +30,7 @@ from benchmarks.cifar_patches.arms import ARMS, frames_of
 from benchmarks.cifar_patches.config import DEFAULT, QUICK, SWEEP_NAMING, Config
 from benchmarks.cifar_patches import data as cifar_data
 from benchmarks.cifar_patches.data import seed_stream
-from benchmarks.cifar_patches.train import Trainer, init_params
+from benchmarks.cifar_patches.train import STEPPED, Trainer, init_params
 from benchmarks.reports import robustness as report_lib
 
 SECTION = "## Learning-rate robustness (CIFAR)"
@@ -128,7 +128,7 @@ def train_run(trainer: Trainer, sweep: Sweep, task: tuple,
                 qk_iso=so.max_isometry_error(carry[0], frames_of(ARMS[arm])),
                 **{k: aux.get(k) for k in ("step_norm", "cap_binds")})
     for k, v in vals.items():
-      hist[k].append(json_value(v))
+      hist[k].append(harness.json_value(v))
     hist["wall_s"].append(round(wall_s, 2))
     log(f"  {name_} step {it}: train {hist['train_loss'][-1]}, val"
         f" {hist['val_loss'][-1]} ({hist['wall_s'][-1]:.0f} s)")
@@ -149,14 +149,6 @@ def train_run(trainer: Trainer, sweep: Sweep, task: tuple,
 
 HISTORY = ("step", "val_loss", "val_acc", "train_loss", "qk_iso",
            "step_norm", "cap_binds", "wall_s")
-
-
-def json_value(x):
-  """A scalar as a JSON float, a non-finite one (or None) as None."""
-  if x is None:
-    return None
-  v = float(np.asarray(x, np.float64))
-  return v if np.isfinite(v) else None
 
 
 # --------------------------------------------------------------------------
@@ -201,7 +193,7 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
       grid=sweep_lib.grid(sweep, done, name_of), seeds=sweep.seeds,
       left=len(sweep_lib.remaining(sweep, done, name_of)),
       figures=sweep_lib.figures(out, results_md),
-      heading=SECTION, title="CIFAR", loss_key="val_loss",
+      heading=SECTION, title="CIFAR", loss_key="val_loss", step_arms=STEPPED,
       loss_text=f"validation loss on the {sweep.base.val_size:,}-image"
       " validation split",
       setting=(

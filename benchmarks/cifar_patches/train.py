@@ -71,11 +71,15 @@ def make_eval_fn(model: Transformer, mean, std, with_loss: bool = False):
   return evaluate
 
 
+# The arms with per-step records (`step_records`).
+STEPPED = ("stiefel", "rsgd")
+
+
 def step_records(cfg: Config, arm: str, hp: dict, total_steps: int):
   """The per-step records of the Stiefel arms on the Q/K frames
   (`training.frame_step_records`: step_norm, and for stiefel, whose trust
   region caps the step at hp["cap"], cap_binds); None for the others."""
-  if arm not in ("stiefel", "rsgd"):
+  if arm not in STEPPED:
     return None
   return training.frame_step_records(
       frames_of(ARMS[arm]), schedule(hp["lr"], total_steps, cfg),

@@ -30,10 +30,12 @@ from benchmarks.lm.config import CPU, QUICK, Config, run_name
 from benchmarks.lm.data import default_data, load_corpus
 from benchmarks.lm.study import REFERENCE_DIR, point_config, study_data
 from benchmarks.lm.timing import iteration_rates, run_seconds
-from benchmarks.lm.train import train_run
+from benchmarks.lm.train import STEPPED, train_run
 from benchmarks.reports import robustness as report_lib
 
 SECTION = "## Learning-rate robustness (language model)"
+# What the report reads of a run: its whole-split validation loss.
+LOSS_KEY = "val_loss_full"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +102,6 @@ def grid(sweep: Sweep, done: Mapping, data_id: str = "") -> tuple:
   return sweep_lib.grid(sweep, done, names(sweep, data_id))
 
 
-def tasks(sweep: Sweep, done: Mapping, data_id: str) -> list:
-  """`benchmarks.sweep.tasks`: every (arm, eta, seed), seed-major."""
-  return sweep_lib.tasks(sweep, done, names(sweep, data_id))
-
-
 def remaining(sweep: Sweep, done: Mapping, data_id: str) -> list:
   """The sweep's unfinished runs; once it is complete, the claims'
   (`claim_tasks`)."""
@@ -137,7 +134,8 @@ def eta_high(curve: Mapping) -> float:
 def claim_plan(sweep: Sweep, done: Mapping, data_id: str) -> dict:
   """{"best": {arm: its best sweep eta}, "high": eta_high} on the tuning
   seeds (the sweep complete)."""
-  cs = report_lib.curves(sweep_lib.rows(sweep, done, names(sweep, data_id)))
+  cs = report_lib.curves(sweep_lib.rows(sweep, done, names(sweep, data_id)),
+                         LOSS_KEY)
   return dict(best={a: report_lib.summary(cs[a])["best_eta"]
                     for a in sweep.arms},
               high=eta_high(cs[sweep.arms[0]]))
@@ -215,7 +213,8 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
       left=len(remaining(sweep, done, data_id)),
       claims=claim_runs(sweep, done, data_id),
       figures=sweep_lib.figures(out, results_md),
-      heading=SECTION, setting=(
+      heading=SECTION, title="LM", loss_key=LOSS_KEY,
+      loss_text="whole-split validation loss", step_arms=STEPPED, setting=(
           f"nanoGPT's {'toy' if preset == 'quick' else 'CPU'} configuration"
           f" ({cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head} heads,"
           f" {cfg.max_iters} iterations, weight decay {cfg.weight_decay}),"

@@ -12,7 +12,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import stiefel_optax as so
@@ -90,7 +89,7 @@ def step_records(cfg: Config):
   None for the other arms): `step_norm`; for `stiefel`, whose trust region
   caps the step, also `cap_binds`. rsgd and stiefel_muon run uncapped
   (their cap never binds)."""
-  if cfg.arm not in ("stiefel", "rsgd", "stiefel_muon"):
+  if cfg.arm not in STEPPED:
     return None
   return training.frame_step_records(
       frames(cfg), lr_schedule(cfg, cfg.stiefel_learning_rate),
@@ -164,18 +163,10 @@ def full_loss_fn(cfg: Config, vocab_size: int, batch: int = 64):
 HISTORY = ("step", "train_loss", "val_loss", "qk_iso", "max_logit",
            "logit_bound", "lr", "chunk_loss", "step_norm", "cap_binds",
            "wall_s")
-# The chunk's per-step means (`step_records`; None for other arms).
+# The chunk's per-step means (`step_records`; None for other arms), and
+# the arms that record them.
 STEP_RECORDS = ("step_norm", "cap_binds")
-
-
-def json_value(x):
-  """x as JSON: floats (lists per layer), a non-finite float as None."""
-  if x is None:
-    return None
-  a = np.asarray(x, np.float64)
-  if a.ndim:
-    return [json_value(v) for v in a]
-  return float(a) if np.isfinite(a) else None
+STEPPED = ("stiefel", "rsgd", "stiefel_muon")
 
 
 def diverged(hist: dict) -> Optional[dict]:
@@ -218,7 +209,7 @@ def train_run(cfg: Config, seed: int, corpus: Corpus,
     m.update(chunk_loss=chunk_loss, lr=lr(max(it - 1, 0)),
              **{k: steps.get(k) for k in STEP_RECORDS})
     for k, v in m.items():
-      hist.setdefault(k, []).append(json_value(v))
+      hist.setdefault(k, []).append(harness.json_value(v))
     hist["step"].append(it)
     hist["wall_s"].append(round(wall_s, 2))
     log(f"  {run['name']} step {it}: train {hist['train_loss'][-1]}, val"
@@ -229,7 +220,7 @@ def train_run(cfg: Config, seed: int, corpus: Corpus,
     hist = run["history"]
     full = full_loss_fn(eval_config(cfg), corpus.vocab_size)(carry[0], val)
     return dict(step=hist["step"][-1], train_loss=hist["train_loss"][-1],
-                val_loss=hist["val_loss"][-1], val_loss_full=json_value(full),
+                val_loss=hist["val_loss"][-1], val_loss_full=harness.json_value(full),
                 qk_iso=hist["qk_iso"][-1])
 
   store = (harness.RunStore(out) if out is not None and max_iters is None

@@ -5,7 +5,8 @@ sensitivity and its range within 0.05 of its best, the max-logit records
 beside their bound, the Stiefel arms' step records, two plots and the
 markdown. Any benchmark whose records carry `history` (step, val_loss,
 max_logit, logit_bound, step_norm, cap_binds) and `final` (`loss_key`)
-reads the same way.
+reads the same way; the benchmark hands in what is its own (which loss,
+its words, its name, the arms whose step records are tabulated).
 
 A run that diverged (record["stopped"]) or whose final loss is not finite
 counts at its initial loss L0 (the first evaluation's validation loss), and
@@ -21,7 +22,7 @@ where the arm has runs (the report says how many).
 ...     stopped=stopped, history=dict(val_loss=[4.0]))
 >>> rows = [dict(arm="a", eta=e, seed=0, record=rec(l))
 ...         for e, l in ((0.1, 2.0), (0.3, 1.5), (1.0, 9.0))]
->>> c = curves(rows)
+>>> c = curves(rows, "val_loss_full")
 >>> s = summary(c["a"])
 >>> s["best_eta"], s["best"], round(s["sensitivity"], 4)  # (0.5+0+2.5)/3
 (0.3, 1.5, 1.0)
@@ -44,7 +45,7 @@ def initial_loss(rec: Mapping) -> float:
   return rec["history"]["val_loss"][0]
 
 
-def capped_loss(rec: Mapping, loss_key: str = "val_loss_full") -> float:
+def capped_loss(rec: Mapping, loss_key: str) -> float:
   """min(L, L0); L0 for a diverged run or a non-finite L."""
   l0 = initial_loss(rec)
   loss = (rec.get("final") or {}).get(loss_key)
@@ -53,7 +54,7 @@ def capped_loss(rec: Mapping, loss_key: str = "val_loss_full") -> float:
   return min(loss, l0)
 
 
-def curves(rows: Sequence[Mapping], loss_key: str = "val_loss_full") -> dict:
+def curves(rows: Sequence[Mapping], loss_key: str) -> dict:
   """{arm: {eta: {mean, losses, seeds, diverged: [(seed, step), ...]}}},
   arms and rates in the rows' order and ascending eta."""
   out: dict = {}
@@ -211,8 +212,8 @@ CLAIMS = {"best": "(a) each arm at its own best sweep point against AdamW"
 
 
 def claim_rows(rows: Sequence[Mapping], plan: Mapping, which: str,
-               arms: Sequence[str], reference: str = "adamw",
-               loss_key: str = "val_loss_full") -> list:
+               arms: Sequence[str], loss_key: str,
+               reference: str = "adamw") -> list:
   """A claims table (`stats.comparison_rows`, Holm across it): each arm
   against the reference, both at their best sweep points (which="best")
   or both at plan["high"]; the capped final loss, paired by seed."""
@@ -225,8 +226,8 @@ def claim_rows(rows: Sequence[Mapping], plan: Mapping, which: str,
   return stats.comparison_rows(pairs, score, lower_is_better=True)
 
 
-def claim_lines(claims: Mapping, arms: Sequence[str],
-                loss_key: str = "val_loss_full") -> list:
+def claim_lines(claims: Mapping, arms: Sequence[str], loss_key: str,
+                loss_text: str) -> list:
   """Both claims tables on discovery and confirmation seeds, and the
   findings by the claims policy."""
   plan = claims["plan"]
@@ -234,7 +235,7 @@ def claim_lines(claims: Mapping, arms: Sequence[str],
          "Best sweep points (tuning seeds): " + ", ".join(
              f"{a} {fmt_eta(e)}" for a, e in plan["best"].items())
          + f"; the high rate: eta {fmt_eta(plan['high'])}. Loss: the"
-         " capped final whole-split validation loss; difference: treatment"
+         f" capped final {loss_text}; difference: treatment"
          " - adamw (negative: the treatment is better); wins: seeds where"
          " it is lower.", ""]
   for which, title in CLAIMS.items():
@@ -300,16 +301,17 @@ def plot_logits(rows: Sequence[Mapping], arms: Sequence[str],
 def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
            grid: Sequence[float], seeds: Sequence[int], left: int,
            reference: str = "adamw", heading: str, setting: str,
-           claims: Optional[Mapping] = None, figures: str = "",
-           title: str = "LM", loss_key: str = "val_loss_full",
-           loss_text: str = "whole-split validation loss") -> dict:
+           title: str, loss_key: str, loss_text: str,
+           step_arms: Sequence[str], claims: Optional[Mapping] = None,
+           figures: str = "") -> dict:
   """Writes out/robustness.md with its plots; returns {markdown, section,
   curves}: section is the markdown with the plots' links prefixed by
   `figures` (the folder as the RESULTS.md that holds it sees it). left:
   the planned runs not yet finished; claims: the claims' runs by stage
   with their plan (none before the sweep is complete); title, loss_key,
   loss_text: the benchmark's name in the plot, the `final` loss read and
-  its words. The logit plot and table appear where the runs record
+  its words; step_arms: the arms whose step records are tabulated (those
+  of them the rows hold). The logit plot and table appear where the runs record
   `max_logit`."""
   cs = curves(rows, loss_key)
   lines = [heading, "", setting, "",
@@ -344,13 +346,13 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
                 "![max logit against step](FIGURES/robustness_logits.png)",
                 ""]
       lines += logit_table(rows, cs, pts) + [""]
-    stiefel = [a for a in cs if a in ("stiefel", "rsgd", "stiefel_muon")]
+    stiefel = [a for a in cs if a in step_arms]
     if stiefel:
       lines += ["Where the Stiefel arms' step comes from (means over all"
                 " steps and tuning seeds):", ""]
       lines += step_table(rows, stiefel) + [""]
   if claims:
-    lines += claim_lines(claims, list(cs), loss_key)
+    lines += claim_lines(claims, list(cs), loss_key, loss_text)
   text = "\n".join(lines).rstrip("\n") + "\n"
   link = lambda prefix: text.replace("](FIGURES/", f"]({prefix}")
   harness.write_text(out / "robustness.md", link(""))

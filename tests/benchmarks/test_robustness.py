@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import benchmarks.lm.experiment
-from benchmarks import lm, training
+from benchmarks import harness, lm, sweep as sweep_lib, training
 from benchmarks.lm import robustness
 from benchmarks.reports import robustness as report_lib
 
@@ -108,7 +108,7 @@ def test_a_sweep_of_another_width_is_its_own_runs():
   """--robustness with --arms (the reference first) and --set (the base
   configuration): the same sweep at another width, under other run names;
   its seeds stay fixed."""
-  from benchmarks import driver, sweep as sweep_lib
+  from benchmarks import driver
   parse = lambda *a: driver.parse(lm.experiment.EXPERIMENT, ["--robustness",
                                                              *a])
   wide = sweep_lib.configure(robustness.BENCH, parse(
@@ -141,7 +141,7 @@ def test_grid_extends_while_adamw_finishes_its_top_point():
   done[name(3.0, 102)] = fin
   assert robustness.grid(sweep, done, data) == sweep.grid + (3.0, 10.0)
   # seed-major, AdamW's points first within a seed
-  tasks = robustness.tasks(sweep, {}, data)
+  tasks = sweep_lib.tasks(sweep, {}, robustness.names(sweep, data))
   assert len(tasks) == 6 * 9 * 3
   assert [t[2] for t in tasks] == sorted(t[2] for t in tasks)
   assert tasks[:9] == [("adamw", e, 100) for e in sweep.grid]
@@ -157,7 +157,7 @@ def test_divergence_rule():
   assert "non-finite" in lm.train.diverged(h)["reason"]
   h["val_loss"][1] = 2.1
   assert lm.train.diverged(h) is None
-  assert lm.train.json_value(jnp.array([1.0, jnp.nan])) == [1.0, None]
+  assert harness.json_value(jnp.array([1.0, jnp.nan])) == [1.0, None]
 
 
 def test_training_stops_where_record_says_and_keeps_the_run(tmp_path):
@@ -222,7 +222,7 @@ def test_report_sensitivity_and_range():
                                        (1e-2, 2.03), (3e-2, 2.2))]
   rows.append(dict(arm="a", eta=0.1, seed=0,
                    record=rec(None, {"diverged_at": 250})))
-  s = report_lib.summary(report_lib.curves(rows)["a"])
+  s = report_lib.summary(report_lib.curves(rows, "val_loss_full")["a"])
   assert s["best_eta"] == 3e-3 and s["range"] == (1e-3, 1e-2)
   assert s["diverged"] == 1 and s["runs"] == 9
   means = [2.045, 2.005, 2.035, 2.205, 4.0]
