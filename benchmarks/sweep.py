@@ -13,8 +13,8 @@ robustness`.
 
 >>> s = Sweep(arms=("adamw", "stiefel"), grid=(1e-3, 1e-2), extension=(0.1,),
 ...           ratios={"stiefel": {"lr": 30.0}}, seeds=(100, 101))
->>> s.rates("stiefel", 1e-3), s.rates("adamw", 1e-3)
-({'lr': 0.03}, {})
+>>> s.rates("stiefel", 1e-3), s.rates("adamw", 1e-3), s.ratio_text()
+({'lr': 0.03}, {}, 'stiefel lr = 30 eta')
 >>> name = lambda t: f"{t[0]}_{t[1]:g}_{t[2]}"
 >>> tasks(s, {}, name)[:3]       # seed-major, the reference's points first
 [('adamw', 0.001, 100), ('adamw', 0.01, 100), ('stiefel', 0.001, 100)]
@@ -56,6 +56,11 @@ class Sweep:
     """{hyperparameter: ratio x eta} of the arm (6 significant digits)."""
     return {k: float(f"{r * eta:.6g}")
             for k, r in self.ratios.get(arm, {}).items()}
+
+  def ratio_text(self) -> str:
+    """The ratios of the sweep's arms in words, as its report states them."""
+    return ", ".join(f"{a} {k} = {r:g} eta" for a, d in self.ratios.items()
+                     if a in self.arms for k, r in d.items())
 
 
 def finished(rec: Optional[Mapping]) -> bool:

@@ -203,7 +203,7 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
           f" epochs), trained on the tuning pool and scored on the"
           f" validation split, data {data_id}; weight decay"
           f" {sweep.weight_decay:g}; an arm's Q/K rates move with eta by its"
-          f" study ratio ({', '.join(f'{a} {k} = {r:g} eta' for a, d in sweep.ratios.items() if a in sweep.arms for k, r in d.items())});"
+          f" study ratio ({sweep.ratio_text()});"
           " adamw and qk_norm train every weight at eta."))
 
 

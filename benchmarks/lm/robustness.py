@@ -219,7 +219,7 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
           f" ({cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head} heads,"
           f" {cfg.max_iters} iterations, weight decay {cfg.weight_decay}),"
           f" corpus {data_id}; an arm's Q/K rates move with eta by its"
-          f" study ratio ({', '.join(f'{a} {k} = {r:g} eta' for a, d in sweep.ratios.items() if a in sweep.arms for k, r in d.items())};"
+          f" study ratio ({sweep.ratio_text()};"
           f" stiefel's cap {sweep.cap_ratio:g} x its Q/K lr)."))
 
 
