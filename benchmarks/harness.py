@@ -18,6 +18,13 @@ runs of the asked configuration and data whatever library version made
 them (`RunStore.load_matching`: the identity recomputed from the run's own
 numerics version) and says which versions those were.
 
+Names. Every experiment names its runs by one rule, `run_name`: the run's
+parts (its arm, and what else sets it apart in its store), its seed and,
+where a store holds runs of several configurations, a key to the
+configuration and data, spelled by the experiment's `Naming` (grokking:
+adamw_seed3; the LM: adamw_seed0_85bd1ed3; CIFAR: adamw__n8068__s0,
+tune__stiefel__cap0.1_lr0.3__s1000, adamw__eta0.01__s1000__ce1a92fa).
+
 Outputs. By default every experiment writes under runs/<experiment>/ at the
 repository root, which git ignores. The committed reference results under
 benchmarks/results/ are rewritten only when `--out` names them.
