@@ -9,6 +9,12 @@
         --seeds 0-4 --worker 0/2             # one of two parallel processes
     python -m benchmarks grokking --report-only --results-md benchmarks/RESULTS.md
                                              # the committed tables and section
+    python -m benchmarks grokking --preset frac0.3 --worker 0/2
+                                             # a five-seed study: discovery
+                                             # seeds, then confirmation seeds
+    python -m benchmarks grokking --preset slingshot --seeds 0-2
+                                             # the slingshot pilot's 4 arms
+    python -m benchmarks grokking --quick --study   # its smoke run
 
 Task: (a op b) mod p (p = 97) from the tokens [a, b, =], a seeded share of all
 equations for training, the rest for validation, full-batch training
@@ -22,11 +28,25 @@ full-batch order for a seed):
   stiefel  the Q/K kernels' per-head frames orthonormalised at the start and
            trained by `stiefel_optax.stiefel_attention`; the rest AdamW, wd 1.0.
   rsgd     (mechanism probe only) Q/K frames on fixed-step `riemannian_sgd`.
+  adam, stiefel_nodecay, stiefel_targeted, adamw_targeted
+           the slingshot pilot's: adamw's and stiefel's recipes with the
+           AdamW decay off, or on the embeddings, MLP kernels and
+           unembedding only (arms.DECAY).
+
+Studies: the 0.1.0 fixed list (presets default, full, quick: the main job
+and the committed reference folders), and the paired studies on the
+shared study `benchmarks.study` (presets frac0.5, frac0.3, slingshot, or
+--study on any preset; `study.PAIRED`): the arms at fixed rates, discovery
+seeds then confirmation seeds, per-endpoint paired tables with Holm, and
+per run the slingshot cycles and stable-grokking figures
+(`benchmarks.reports.grokking.count_cycles`, `stability`).
 
 Every `log_every` steps each run records train/validation accuracy and loss,
 the isometry error ||W^T W - I||_F of every Q/K frame (the AdamW arm's raw
-kernels, per head), the Frobenius norm of every other weight, and the mean
-per-step movement ||W_{t+1} - W_t||_F of each Q/K frame over the chunk.
+kernels, per head), the Frobenius norm of every other weight (the last
+layer's as unembed/kernel), the mean per-step movement ||W_{t+1} - W_t||_F
+of each Q/K frame over the chunk, and the mean and largest batch loss of
+the chunk's steps (a spike between records is not missed).
 Runs are saved per (arm, seed) with a checkpoint, so a stopped study resumes;
 a saved run is reused only under the same identity
 (`harness.run_identity` of the configuration, the equations' md5 and the

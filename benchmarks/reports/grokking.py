@@ -823,6 +823,10 @@ def paired_markdown(cfg: Config, study: Study, res: dict, meta: dict,
             " Q/K isometry error ||W^T W - I||_F of the mean head frame (raw"
             " kernels for the unconstrained arms):", ""]
   parts += pilot_table(study.arms, res["summaries"])
+  if res["partial"]:
+    parts += ["", "Runs in progress, in no table yet: " + ", ".join(
+        f"{p['arm']} seed {p['seed']} (step {p['step']})"
+        for p in res["partial"]) + "."]
   if res["iso_ratios"]:
     parts += ["", "Q/K isometry error, baseline / treatment: " + "; ".join(
         f"{r['baseline']} / {r['treatment']} {r['geomean']:.3g} (geometric"
@@ -836,11 +840,15 @@ def paired_markdown(cfg: Config, study: Study, res: dict, meta: dict,
 def paired_report(out: Path, cfg: Config, study: Study, runs: dict,
                   plots: bool = True, rule: CycleRule = CycleRule()) -> dict:
   """results.json, table.md and arms.png of a paired study's folder from
-  its saved runs (each cut to study.steps; partial runs reported as far as
-  they reached), its study and its notes.md; returns dict(meta, results,
-  table, study)."""
-  main = {a: {s: truncate(r, study.steps) for s, r in runs.get(a, {}).items()}
-          for a in study.arms}
+  its saved runs (the finished ones, cut to study.steps; those still in
+  progress are named, in no table), its study and its notes.md; returns
+  dict(meta, results, table, study)."""
+  done = lambda r: r["history"]["step"][-1] >= study.steps
+  main = {a: {s: truncate(r, study.steps) for s, r in runs.get(a, {}).items()
+              if done(r)} for a in study.arms}
+  partial = [dict(arm=a, seed=s, step=r["history"]["step"][-1])
+             for a in study.arms for s, r in sorted(runs.get(a, {}).items())
+             if not done(r)]
   summaries = {a: {s: pilot_summary(r, cfg.target_acc, study.steps, rule)
                    for s, r in by.items()} for a, by in main.items()}
   pct = int(round(100 * cfg.target_acc))
@@ -853,7 +861,7 @@ def paired_report(out: Path, cfg: Config, study: Study, runs: dict,
              # tables say whether the confirmation block is complete
              complete=stats.confirmation_complete(
                  disc[0]["rows"], conf[0]["rows"], arms=study.arms),
-             iso_ratios=iso_ratios(study.arms, summaries))
+             iso_ratios=iso_ratios(study.arms, summaries), partial=partial)
   meta = provenance({a: by for a, by in runs.items() if by}, out)
   table = paired_markdown(cfg, study, res, meta,
                           harness.read_notes(out / "notes.md"))

@@ -170,3 +170,17 @@ def test_slingshot_pilot_smoke(tmp_path):
   res = json.loads((out / "results.json").read_text())
   assert list(res["summaries"]) == ["adam", "stiefel_nodecay",
                                     "stiefel_targeted", "adamw_targeted"]
+
+
+@pytest.mark.parametrize("module", ["benchmarks.grokking.config",
+                                    "benchmarks.grokking.train",
+                                    "benchmarks.reports.grokking"])
+def test_docstring_examples_run(module):
+  """The rules', the batches' and the identity's docstring examples (the
+  shared doctest list, tests/benchmarks/test_benchmark_doctests.py, names
+  other experiments' modules)."""
+  import doctest
+  import importlib
+  result = doctest.testmod(importlib.import_module(module),
+                           optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0, result
