@@ -187,6 +187,11 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
   done = sweep_lib.saved(out)
   data_id = data_id or harness.recorded_data(done.values()) or ""
   name_of = names(sweep, data_id)
+  # A name holds its run's identity, which a new numerics version changes:
+  # the runs of this sweep made under any version, under today's names.
+  done = {name_of((r["arm"], r["eta"], r["seed"])): r for r in done.values()
+          if harness.matches(r, run_config(sweep, r["arm"], r["eta"]),
+                             data_id)}
   m = sweep.base.model
   return report_lib.report(
       out, sweep_lib.rows(sweep, done, name_of), plan=PLAN,

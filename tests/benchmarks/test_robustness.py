@@ -306,17 +306,21 @@ def test_a_worker_done_with_its_share_takes_the_others_unstarted_runs(
 
 
 @pytest.mark.parametrize("bench", ["lm", "cifar_patches"])
-def test_committed_sweep_reports_regenerate_without_the_data(bench,
-                                                              tmp_path):
+@pytest.mark.parametrize("bump", [False, True])
+def test_committed_sweep_reports_regenerate_without_the_data(bench, bump,
+                                                              tmp_path,
+                                                              monkeypatch):
   """The committed robustness reports come back byte for byte from their
   raw runs with --report-only, with no data at hand (the runs' recorded
-  data id is read)."""
+  data id is read), and after a numerics version bump (bump: a CIFAR
+  sweep run's name holds its identity, which the bump changes)."""
   import shutil
-  from benchmarks import harness
   from benchmarks.cifar_patches import experiment as cifar_cli
   folder = {"lm": "lm_robustness", "cifar_patches": "cifar_robustness"}[bench]
   src, out = harness.REFERENCE_ROOT / folder, tmp_path / folder
   shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.npz", "*.claim"))
+  if bump:
+    monkeypatch.setattr(harness, "numerics_version", lambda: "99.0.0")
   main = {"lm": lm.experiment.main, "cifar_patches": cifar_cli.main}[bench]
   main(["--robustness", "--report-only", "--out", str(out), "--data",
         str(tmp_path / "absent")] + (["--quiet"] if bench == "lm" else []))
