@@ -12,8 +12,8 @@ Two kinds:
   study (`benchmarks.study`) of its arms at the configuration's fixed
   rates, nothing tuned: discovery seeds first, then the confirmation seeds
   (`harness.seed_block`: 500 on), seed-major, every run `steps` long. Its
-  report gives paired tables per endpoint and seed block, Holm across each
-  table's rows, and the claims policy's findings.
+  report gives paired tables per endpoint and seed block, Holm across the rows
+  of all three endpoints of a block, and the claims policy's findings.
 - `Study` (`STUDIES`: default, full, quick): the 0.1.0 fixed list (the
   main job and the committed reference folders): every seed a discovery
   seed, a long run that continues one seed's run and an rsgd probe, runs

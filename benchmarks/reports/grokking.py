@@ -518,8 +518,8 @@ def write_section(path: Path, load: Callable[[Path], tuple], probe_arm: str,
 
 # --------------------------------------------------------------------------
 # Paired studies (the shared study, `benchmarks.grokking.study.PairedStudy`):
-# per-endpoint paired tables per seed block, Holm across each table's rows,
-# the claims policy's findings; and, per arm, the slingshot pilot's rules.
+# per-endpoint paired tables per seed block, Holm across every row of a
+# block's endpoints, the claims policy's findings; and, per arm, the slingshot pilot's rules.
 
 LAST_LAYER = "unembed/kernel"   # the unembedding: the pilot's "last layer"
 
@@ -659,8 +659,11 @@ def endpoint_tables(arms: Sequence[str], summaries: dict, block: str,
   """The paired tables of one seed block: per endpoint (`ENDPOINTS`) the
   rows of `stats.comparison_rows` (`benchmarks.study.comparison_pairs`:
   each arm against the reference arms[0], then the Stiefel arm against
-  each other), Holm across the table's rows. The minimum after the
-  target pairs only the seeds where both arms reached it."""
+  each other). Holm runs across every row of every endpoint of the block
+  (the plan's family: a study's comparisons on its three endpoints), so
+  a two-arm study's three endpoint rows are adjusted together. The
+  minimum after the target pairs only the seeds where both arms reached
+  it."""
   method = next((a for a in ("stiefel", "stiefel_targeted") if a in arms),
                 arms[min(1, len(arms) - 1)])
   pairs = [dict(treatment=t, baseline=b) for t, b in
@@ -673,6 +676,7 @@ def endpoint_tables(arms: Sequence[str], summaries: dict, block: str,
     out.append(dict(endpoint=key, label=label.format(pct=pct),
                     digits=digits, rows=stats.comparison_rows(
                         pairs, score, lower_is_better=lower)))
+  stats.with_holm([r for table in out for r in table["rows"]])
   return out
 
 
@@ -786,7 +790,8 @@ def paired_markdown(cfg: Config, study: Study, res: dict, meta: dict,
       " the never-reached runs are counted per arm below. The minimum"
       f" validation accuracy after the first {pct}% pairs only the seeds"
       f" where both arms reached {pct}%. Paired t over seeds"
-      " (`benchmarks/stats.py`), Holm across each table's rows; a finding"
+      " (`benchmarks/stats.py`), Holm across the rows of all three endpoints"
+      " of a seed block; a finding"
       " needs Holm p < 0.05 on the confirmation seeds and the same sign on"
       " the discovery seeds (the claims policy).",
   ]

@@ -115,6 +115,26 @@ def test_stable_grokking_rule():
   assert not st(steps, [0.1] * 6)["stable"]
 
 
+def test_holm_runs_across_a_blocks_three_endpoints():
+  """The plan's family is a seed block's comparisons on all three
+  endpoints: a two-arm study's three rows are adjusted together (a
+  one-row table per endpoint would leave them unadjusted)."""
+  rng = np.random.default_rng(0)
+  summaries = {arm: {seed: dict(
+      steps_to_target=float(500 + 100 * i + rng.integers(0, 50)),
+      final_val_acc=float(0.9 + 0.02 * i + 0.01 * rng.random()),
+      min_val_acc_after=float(0.8 + 0.05 * i + 0.01 * rng.random()))
+      for seed in (0, 1, 2, 3, 4)} for i, arm in enumerate(("adamw",
+                                                            "stiefel"))}
+  tables = report_lib.endpoint_tables(("adamw", "stiefel"), summaries,
+                                      "discovery", 95)
+  rows = [r for t in tables for r in t["rows"]]
+  assert len(rows) == 3
+  expected = report_lib.stats.holm([r["p"] for r in rows])
+  assert [r["p_holm"] for r in rows] == expected
+  assert max(r["p_holm"] / r["p"] for r in rows) > 1.0
+
+
 def test_minibatches_are_per_epoch_shuffles():
   x = np.arange(20)
   b = batch_of(8)
