@@ -1,5 +1,7 @@
-"""What determines a run but its arm and seed: `Config`, its presets, and a
-run's name (its identity: `harness.run_identity(cfg.to_dict(), data id)`)."""
+"""What determines a run but its arm and seed: `Config` and its presets.
+A run is named by the one rule, `harness.run_name(arm, seed)`
+(`<arm>_seed<seed>`); its identity is `harness.run_identity(
+cfg.to_dict(), data id)`."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import dataclasses
 from typing import Optional
 
 from benchmarks.grokking.data import DEFAULT_PRIME
+from benchmarks.harness import run_name  # noqa: F401  (the one rule: <arm>_seed<seed>)
 
 # The mechanism probe (Q/K frames on fixed-step RSGD), beside the study's
 # arms (`study.Study.arms`).
@@ -84,6 +87,3 @@ PRESETS = {"default": DEFAULT, "full": DEFAULT, "quick": QUICK,
            "frac0.5": DEFAULT, "frac0.3": Config(train_fraction=0.3),
            "slingshot": SLINGSHOT}
 
-
-def run_name(arm: str, seed: int) -> str:
-  return f"{arm}_seed{seed}"
