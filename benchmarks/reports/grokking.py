@@ -531,7 +531,11 @@ ENDPOINTS = (("steps_to_target", "steps to {pct}% val acc", 0, True),
 
 
 class CycleRule(NamedTuple):
-  """The slingshot-cycle rule's constants (proposed; the plan fixes them).
+  """The slingshot-cycle rule's constants, as the pilot's plan fixes them
+  (benchmarks/results/grokking/plan.md: floor 0.5 and rise 1 %, set after
+  the d 128 probe, where batch-loss maxima up to 0.42 were noise around a
+  grokked model and the last layer's norm grew about 1-2 % per 2,000
+  steps).
 
   ratio, floor: a record is a spike where its largest batch loss exceeds
     both `ratio` times the median of the largest batch losses of the
@@ -545,9 +549,9 @@ class CycleRule(NamedTuple):
     belong to one cycle (a burst of spikes counts once).
   """
   ratio: float = 10.0
-  floor: float = 0.1
+  floor: float = 0.5
   window: int = 20
-  rise: float = 0.05
+  rise: float = 0.01
   separation: int = 1000
 
 

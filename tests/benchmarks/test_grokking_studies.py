@@ -81,6 +81,7 @@ def test_committed_reports_regenerate(tmp_path):
 
 
 def test_cycle_rule_on_synthetic_records():
+  assert report_lib.CycleRule()[:4] == (10.0, 0.5, 20, 0.01)   # the plan's
   rule = report_lib.CycleRule(window=5, separation=500)
   steps = list(range(0, 3000, 100))
   loss = [None] + [0.01] * 29
@@ -88,14 +89,14 @@ def test_cycle_rule_on_synthetic_records():
   for i in (10, 11, 12, 25):   # a burst of three, then one apart
     loss[i] = 1.0
   assert report_lib.count_cycles(steps, loss, norm, rule) == [1000, 2500]
-  # under the floor (0.05 > 10 x 0.01, but < 0.1): no cycle
-  low = [None if x is None else (0.05 if x == 1.0 else x) for x in loss]
+  # under the floor (0.4 > 10 x 0.01, but < 0.5): no cycle
+  low = [None if x is None else (0.4 if x == 1.0 else x) for x in loss]
   assert report_lib.count_cycles(steps, low, norm, rule) == []
   # no rise of the last layer's norm before the spike: no cycle
   assert report_lib.count_cycles(steps, loss, [1.0] * 30, rule) == []
   # a spike the records before do not dwarf: not 10x the median
   high = [None] + [0.5] * 29
-  high[10] = 1.0
+  high[10] = 4.0
   assert report_lib.count_cycles(steps, high, norm, rule) == []
   # closer cycles count apart when the separation allows
   assert report_lib.count_cycles(steps, loss, norm, rule._replace(
