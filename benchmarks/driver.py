@@ -13,7 +13,9 @@ One parser (`parser`), one way to override a configuration:
 experiment sweeps, e.g. the language model's learning rates), presets
 (`--preset NAME`, `--quick` the toy one), seeds (`--seeds 0-4,500`),
 `--worker I/N` (this process's share of the runs), `--study`,
-`--robustness`, `--report-only`, `--dry-run`, `--out`.
+`--robustness` (`--sweep NAME`: which of its sweeps; a sweep is not a
+`Config` preset, so --preset does not name one), `--report-only`,
+`--dry-run`, `--out`.
 
 >>> opts = parse(EXAMPLE, ["--quick", "--set", "lr=0.1", "--seeds", "0-2"])
 >>> opts.preset, opts.seeds, opts.overrides
@@ -39,8 +41,8 @@ from benchmarks import harness
 
 # The options beyond the common ones, each taken by the experiments whose
 # record names it (`Experiment.options`).
-EXTRA = ("study", "robustness", "arms", "worker", "dry_run", "data",
-         "download", "hp_from", "probe", "no_plots")
+EXTRA = ("study", "robustness", "sweep", "arms", "worker", "dry_run",
+         "data", "download", "hp_from", "probe", "no_plots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +115,9 @@ def parser(exp: Experiment, prog: str) -> argparse.ArgumentParser:
       "robustness": dict(action="store_true",
                          help="the learning-rate sweep (issue 30),"
                               " resumable"),
+      "sweep": dict(default=None, metavar="NAME",
+                    help="with --robustness: which of the experiment's"
+                         " sweeps (default full; --quick its toy one)"),
       "arms": dict(default=None, help="comma list of arms"),
       "worker": dict(default=None, metavar="I/N",
                      help="train this process's share of the runs (N"

@@ -2,8 +2,10 @@
 over one grid of a base learning rate eta (the rate of the AdamW-trained
 weights; an arm's other rates move with it by fixed ratios), on a few
 tuning seeds, run seed-major; the grid extended upward while the reference
-arm still finishes its top point; a run that diverges stopped, kept and
-counted (its record's `stopped`). An experiment says how a run is named
+arm still finishes its top point, and downward (`below`, where a sweep has
+it) once every run of the grid is in and some arm's best mean lies at its
+lowest point; a run that diverges stopped, kept and counted (its record's
+`stopped`); the finished runs of other folders (`reuse`) read as its own. An experiment says how a run is named
 from its task (arm, eta, seed) (`name`: a function of the task, whose
 result changes with whatever the run depends on), and how one is trained
 (`execute`); this module plans the runs (`grid`, `tasks`, `unfinished`,
@@ -24,6 +26,24 @@ robustness`.
 >>> done["adamw_0.01_101"]["stopped"] = {"diverged_at": 250}
 >>> grid(s, done, name)          # ... not if that run diverged
 (0.001, 0.01)
+
+The downward rule (`below`): its points are added in turn, each once
+every run of the grid so far is finished and some arm's mean capped loss
+over the seeds (`loss_key`) is lowest at the grid's lowest point.
+
+>>> s = Sweep(arms=("adamw", "stiefel"), grid=(1e-3, 1e-2), extension=(),
+...           ratios={}, seeds=(100,), below=(3e-4,), loss_key="loss")
+>>> run = lambda loss: {"final": {"loss": loss}, "history": {"val_loss": [4.]}}
+>>> done = {name(t): run(2.0 if t[1] < 0.01 else 1.5)
+...         for t in tasks(s, {}, name)}
+>>> grid(s, done, name)          # every best above the lowest point
+(0.001, 0.01)
+>>> done["stiefel_0.001_100"] = run(1.0)
+>>> grid(s, done, name)          # stiefel best at 1e-3: 3e-4 opened
+(0.0003, 0.001, 0.01)
+>>> del done["adamw_0.01_100"]   # ... only once every run is in
+>>> grid(s, done, name)
+(0.001, 0.01)
 """
 
 from __future__ import annotations
@@ -33,7 +53,10 @@ import os
 import pathlib
 from typing import Callable, Mapping, Optional, Sequence
 
+import numpy as np
+
 from benchmarks import driver, harness, study as study_lib
+from benchmarks.reports.robustness import capped_loss
 
 # A run's name from its task (arm, eta, seed).
 Names = Callable[[tuple], str]
@@ -44,13 +67,21 @@ class Sweep:
   """arms (the first is the reference, AdamW), grid of eta, extension (the
   points added upward, in turn, while the reference finishes at the top
   point on any seed), ratios {arm: {hyperparameter: multiple of eta}},
-  seeds (the tuning seeds, run seed-major). An experiment's sweep adds what
-  else its runs depend on (its base configuration)."""
+  seeds (the tuning seeds, run seed-major); below (the points added
+  downward, in turn, once every run of the grid is finished and some arm's
+  best mean over the seeds of the capped `loss_key` of its records lies at
+  the grid's lowest point; each is added once), reuse (folders under
+  benchmarks/results whose finished runs the sweep reads as its own; it
+  never writes there). An experiment's sweep adds what else its runs
+  depend on (its base configuration)."""
   arms: tuple
   grid: tuple
   extension: tuple
   ratios: Mapping
   seeds: tuple
+  below: tuple = dataclasses.field(default=(), kw_only=True)
+  loss_key: str = dataclasses.field(default="", kw_only=True)
+  reuse: tuple = dataclasses.field(default=(), kw_only=True)
 
   def rates(self, arm: str, eta: float) -> dict:
     """{hyperparameter: ratio x eta} of the arm (6 significant digits)."""
@@ -100,7 +131,8 @@ def stopped_text(rec: Mapping) -> str:
 def grid(sweep: Sweep, done: Mapping, name: Names) -> tuple:
   """The grid with the extension points the reference's finished runs
   open: the next point up while the reference finished the top point
-  without diverging on any seed (done: {name: record})."""
+  without diverging on any seed (done: {name: record}); then the points
+  of `below`, in turn, while `lowest_is_best`."""
   points = tuple(sweep.grid)
   for nxt in sweep.extension:
     runs = [done.get(name((sweep.arms[0], points[-1], s)))
@@ -108,7 +140,29 @@ def grid(sweep: Sweep, done: Mapping, name: Names) -> tuple:
     if not any(finished(r) and not diverged(r) for r in runs):
       break
     points += (nxt,)
+  for low in sweep.below:
+    if not lowest_is_best(sweep, points, done, name):
+      break
+    points = (low,) + points
   return points
+
+
+def lowest_is_best(sweep: Sweep, points: Sequence[float], done: Mapping,
+                   name: Names) -> bool:
+  """Every run of the arms at points on the seeds finished, and some arm's
+  mean capped loss over the seeds (`benchmarks.reports.robustness.
+  capped_loss` of sweep.loss_key, as the report reads it) lowest at
+  points[0] (the first of equal means, as the report's best)."""
+  recs = {(a, e): [done.get(name((a, e, s))) for s in sweep.seeds]
+          for a in sweep.arms for e in points}
+  if not all(finished(r) for rs in recs.values() for r in rs):
+    return False
+  for arm in sweep.arms:
+    means = [float(np.mean([capped_loss(r, sweep.loss_key)
+                            for r in recs[arm, e]])) for e in points]
+    if int(np.argmin(means)) == 0:
+      return True
+  return False
 
 
 def tasks(sweep: Sweep, done: Mapping, name: Names) -> list:
@@ -225,7 +279,8 @@ def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
   done: dict = {}     # read from `out` by every left()
 
   def planned() -> list:
-    done.update(harness.finished_runs(store.records(), current_version=True))
+    done.update(harness.finished_runs(reused(sweep) + store.records(),
+                                      current_version=True))
     return plan(done)
 
   if dry_run:
@@ -284,11 +339,19 @@ def rows(sweep: Sweep, done: Mapping, name: Names) -> list:
   return runs(tasks(sweep, done, name), done, name)
 
 
-def saved(out: pathlib.Path) -> dict:
-  """{name: record} of out's finished runs under any numerics version
-  (what a report reads)."""
-  return harness.finished_runs(harness.RunStore(out).records(),
-                               current_version=False)
+def reused(sweep: Sweep) -> list:
+  """The records of the sweep's `reuse` folders (under benchmarks/results),
+  in folder and file-name order."""
+  return [r for f in sweep.reuse
+          for r in harness.RunStore(harness.REFERENCE_ROOT / f).records()]
+
+
+def saved(out: pathlib.Path, sweep: Optional[Sweep] = None) -> dict:
+  """{name: record} of out's finished runs (and those of the sweep's
+  `reuse` folders) under any numerics version (what a report reads)."""
+  records = (reused(sweep) if sweep else []) + harness.RunStore(
+      out).records()
+  return harness.finished_runs(records, current_version=False)
 
 
 def figures(out: pathlib.Path, results_md: Optional[pathlib.Path]) -> str:
@@ -303,12 +366,14 @@ def figures(out: pathlib.Path, results_md: Optional[pathlib.Path]) -> str:
 @dataclasses.dataclass(frozen=True)
 class Bench:
   """An experiment's side of its sweep, handed to `main`: its sweeps
-  (`full`, `quick`: a `Sweep` with a `base` configuration), the default
-  results folder (runs/<folder>, `_quick` added), its RESULTS.md heading,
+  ({name: a `Sweep` with a `base` configuration}: `full`, `quick` and any
+  other that --sweep names), the default results folder (runs/<folder>,
+  `_<name>` added for a sweep other than `full`), its RESULTS.md heading,
   names(sweep, data_id) -> `Names`, prepare(sweep, out, opts) -> (data_id,
   execute, the other keyword arguments of `run`: describe, expected_s,
-  desc, plan), and report(sweep, preset, out, data_id, results_md) -> dict
-  with its RESULTS.md section (data_id None: the one the runs record)."""
+  desc, plan), and report(sweep, name, out, data_id, results_md) -> dict
+  with its RESULTS.md section (and its `heading` where it is not the
+  experiment's; data_id None: the one the runs record)."""
   sweeps: Mapping
   folder: str
   section: str
@@ -317,12 +382,26 @@ class Bench:
   report: Callable
 
 
+def sweep_name(bench: Bench, opts) -> str:
+  """The sweep the command names: --sweep NAME (a key of the experiment's
+  sweeps), else `quick` with --quick, else `full`."""
+  name = getattr(opts, "sweep", None)
+  if name is None:
+    return "quick" if opts.quick else "full"
+  if opts.quick and name != "quick":
+    raise SystemExit("--quick is --sweep quick; give one of them.")
+  if name not in bench.sweeps:
+    raise SystemExit(f"--sweep: one of {', '.join(bench.sweeps)};"
+                     f" got {name!r}.")
+  return name
+
+
 def configure(bench: Bench, opts) -> Sweep:
-  """The preset's sweep, its arms narrowed by --arms (the reference, its
-  first, kept first) and its base configuration changed by --set (each
-  run's name follows its configuration, so a changed base is another
-  sweep's runs); its seeds are fixed."""
-  sweep = bench.sweeps["quick" if opts.quick else "full"]
+  """The named sweep (`sweep_name`), its arms narrowed by --arms (the
+  reference, its first, kept first) and its base configuration changed by
+  --set (each run's name follows its configuration, so a changed base is
+  another sweep's runs); its seeds are fixed."""
+  sweep = bench.sweeps[sweep_name(bench, opts)]
   if opts.arms:
     arms = tuple(opts.arms.split(","))
     unknown = [a for a in arms if a not in sweep.arms]
@@ -337,12 +416,15 @@ def configure(bench: Bench, opts) -> Sweep:
 
 
 def main(bench: Bench, opts) -> dict:
-  """--robustness: the sweep's runs (unless --report-only; `run`, with
-  --worker, --time-budget and --dry-run), then its report, and its
-  RESULTS.md section with --results-md."""
+  """--robustness [--sweep NAME]: the sweep's runs (unless --report-only;
+  `run`, with --worker, --time-budget and --dry-run), then its report, and
+  its RESULTS.md section with --results-md (under the report's heading,
+  else the experiment's). Its default folder: runs/<folder>, or
+  runs/<folder>_<NAME> for a sweep other than `full`."""
   driver.refuse(opts, "--robustness", "its SWEEP", ("seeds", "hp_from"))
-  sweep, preset = configure(bench, opts), "quick" if opts.quick else "full"
-  out = opts.out or harness.default_out(bench.folder + "_quick" * opts.quick)
+  sweep, preset = configure(bench, opts), sweep_name(bench, opts)
+  out = opts.out or harness.default_out(
+      bench.folder + ("" if preset == "full" else "_" + preset))
   if opts.note:
     harness.write_text(out / "notes.md", opts.note.strip() + "\n")
   data_id = None      # --report-only: the one its runs record
@@ -355,6 +437,7 @@ def main(bench: Bench, opts) -> dict:
       return {}
   rep = bench.report(sweep, preset, out, data_id, opts.results_md)
   if opts.results_md:
-    harness.write_section(opts.results_md, bench.section, rep["section"])
+    harness.write_section(opts.results_md, rep.get("heading", bench.section),
+                          rep["section"])
   opts.log(f"results: {harness.portable(out)}")
   return rep

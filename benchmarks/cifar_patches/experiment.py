@@ -39,8 +39,8 @@ def configure(opts: driver.Options) -> tuple:
 def run(opts: driver.Options) -> dict:
   if opts.robustness:
     return sweep_lib.main(robustness.BENCH, opts)
-  if opts.worker:
-    raise SystemExit("--worker shares the runs of --robustness; add it.")
+  if opts.worker or opts.sweep:
+    raise SystemExit("--worker and --sweep are --robustness's; add it.")
   cfg, plan = configure(opts)
   if opts.quick:
     data = cifar_data.synthetic(448, cfg.val_size)
@@ -98,8 +98,8 @@ EXPERIMENT = driver.Experiment(
     seeds=harness.format_seeds(MAIN_SEEDS) + " (the main arms; other arms:"
           f" --set other_seeds=..., default {harness.format_seeds(OTHER_SEEDS)})",
     quick="synthetic images, tiny model, two arms (< 1 minute)",
-    options=("robustness", "arms", "worker", "dry_run", "data", "download",
-             "hp_from"))
+    options=("robustness", "sweep", "arms", "worker", "dry_run", "data",
+             "download", "hp_from"))
 
 
 def main(argv=None) -> dict:

@@ -30,6 +30,15 @@ Stiefel attention optimizer and its alternatives as arms.
         --out benchmarks/results/lm_robustness   # one of two single-threaded
                                              # workers (the other: -c 1, 1/2)
     python -m benchmarks.lm --robustness --quick   # its path at toy size
+    python -m benchmarks.lm --robustness --sweep width64 --worker 0/2 \
+        --out benchmarks/results/lm_width/d64     # the sweep across widths
+                                             # (issue 43; width_plan.md):
+                                             # --sweep width64, width128
+                                             # (the committed d 128 runs,
+                                             # read), width256 (then its
+                                             # claims and the trend's d 64
+                                             # terms); XLA_FLAGS and taskset
+                                             # as above
 
 Model (`benchmarks.models.GPT`): nanoGPT's `model.py` with its
 `train_shakespeare_char` settings: token and learned position embeddings,
@@ -142,8 +151,9 @@ train, study, experiment), and the LM's timing and robustness sweep:
                    what the report reads: the study's state, `write_report`
     timing.py      a run's time (probed, or from the finished runs) and the
                    study's time estimate with its printed line
-    robustness.py  the learning-rate sweep (`SWEEPS`), its plan, runner and
-                   report
+    robustness.py  the learning-rate sweep (`SWEEPS`: full, quick and the
+                   widths' width64, width128, width256, named by --sweep),
+                   its plan, runner and report
     experiment.py  the record the driver runs (`benchmarks.driver`):
                    sweep, probe, study, robustness, report-only
 

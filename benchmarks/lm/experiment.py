@@ -171,8 +171,8 @@ def train_study(name: str, opts: driver.Options, corpus: Corpus,
 
 def run(opts: driver.Options) -> dict:
   log = opts.log
-  if opts.worker and not opts.robustness:
-    raise SystemExit("--worker shares the runs of --robustness; add it.")
+  if (opts.worker or opts.sweep) and not opts.robustness:
+    raise SystemExit("--worker and --sweep are --robustness's; add it.")
   check_study_args(opts)
   if opts.robustness:
     with training.toy_compiler(opts.quick):
@@ -207,8 +207,8 @@ EXPERIMENT = driver.Experiment(
     presets=PRESETS, default="cpu", run=run, seeds="0",
     quick="toy size (2 layers, d 32, context 16, 30 iters), arms adamw and"
           " stiefel, seed 0: well under a minute",
-    options=("study", "robustness", "arms", "worker", "dry_run", "data",
-             "probe"))
+    options=("study", "robustness", "sweep", "arms", "worker", "dry_run",
+             "data", "probe"))
 
 
 def main(argv=None) -> dict:

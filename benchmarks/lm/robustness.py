@@ -41,14 +41,24 @@ LOSS_KEY = "val_loss_full"
 @dataclasses.dataclass(frozen=True)
 class Sweep(sweep_lib.Sweep):
   """`benchmarks.sweep.Sweep` (arms, grid, extension, ratios {arm: {Config
-  field: multiple of eta}}, seeds) with cap_ratio (stiefel: max_step_norm
-  = cap_ratio x its Q/K lr), base (the configuration, its schedule the
-  runs') and the claims' seeds."""
+  field: multiple of eta}}, seeds; below, reuse) with cap_ratio (stiefel:
+  max_step_norm = cap_ratio x its Q/K lr), base (the configuration, its
+  schedule the runs'), the claims' seeds, the claim tables whose runs
+  follow the sweep (`claims`, in the order they are run: "best", every
+  arm at its own best sweep point; "high", every arm at `eta_high`),
+  `trend` (the name in SWEEPS of a smaller width's sweep whose runs at its
+  own eta_high, on the claims' seeds, are run here after this sweep's
+  claims of each stage: the other width's terms of the trend claim), and
+  the plan and heading its report names."""
   cap_ratio: float
   base: Config
   claim_seeds: Mapping = dataclasses.field(default_factory=lambda: {
       "discovery": harness.DISCOVERY_SEEDS[:8],
       "confirmation": harness.CONFIRMATION_SEEDS[:8]})
+  claims: tuple = ("best", "high")
+  trend: Optional[str] = None
+  plan: str = "benchmarks/results/lm/robustness_plan.md"
+  heading: str = SECTION
 
 
 # The study's choices against adamw's lr 1e-2 (results/lm/results.json
@@ -62,7 +72,8 @@ SWEEP = Sweep(
     arms=("adamw", "stiefel", "rsgd", "stiefel_muon", "qk_norm", "qk_clip"),
     grid=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
     extension=(3.0, 10.0), ratios=RATIOS, cap_ratio=0.3,
-    seeds=(100, 101, 102), base=dataclasses.replace(CPU, weight_decay=0.03))
+    seeds=(100, 101, 102), base=dataclasses.replace(CPU, weight_decay=0.03),
+    loss_key=LOSS_KEY)
 # The same path at toy size (`--robustness --quick`, well under a minute):
 # at eta 3 and 30 the toy AdamW diverges.
 QUICK_SWEEP = Sweep(
@@ -71,8 +82,48 @@ QUICK_SWEEP = Sweep(
     claim_seeds={"discovery": (0, 1), "confirmation": (500, 501)},
     base=dataclasses.replace(QUICK, n_layer=1, n_embd=8, block_size=8,
                              max_iters=20, lr_decay_iters=20,
-                             eval_interval=10, eval_iters=2))
-SWEEPS = {"full": SWEEP, "quick": QUICK_SWEEP}
+                             eval_interval=10, eval_iters=2),
+    loss_key=LOSS_KEY)
+
+# The sweep across widths (issue 43), as benchmarks/results/lm/width_plan.md
+# fixes it: d 64, 128 and 256 at head_dim 32 (n_head = d / 32), the four
+# arms; d 64 the committed sweep's grid, seeds and rules with only the
+# width changed (its runs named as `--robustness --arms ... --set n_embd=64
+# --set n_head=2` names them); d 128 the committed sweep's runs
+# (benchmarks/results/lm_robustness, read, never written); d 256 the
+# trimmed grid 1e-3 - 1, two tuning seeds, the downward point 3e-4, then
+# the claims (b) and (a) and the d 64 terms of (c) at eta_high(64),
+# discovery seeds 0-3 before confirmation seeds 500-504.
+WIDTH_ARMS = ("adamw", "stiefel", "stiefel_muon", "qk_norm")
+WIDTH_PLAN = "benchmarks/results/lm/width_plan.md"
+WIDTH_CLAIM_SEEDS = {"discovery": harness.DISCOVERY_SEEDS[:4],
+                     "confirmation": harness.CONFIRMATION_SEEDS[:5]}
+# Where each width's runs are committed (under benchmarks/results).
+WIDTH_FOLDERS = {64: "lm_width/d64", 128: "lm_robustness",
+                 256: "lm_width/d256"}
+
+
+def width_heading(d: int) -> str:
+  return f"## Learning-rate robustness across width: d {d} (language model)"
+
+
+def at_width(d: int, **changes) -> Sweep:
+  """The committed sweep on the four arms at width d (head_dim 32)."""
+  return dataclasses.replace(SWEEP, **{
+      "arms": WIDTH_ARMS, "claims": (), "plan": WIDTH_PLAN,
+      "heading": width_heading(d),
+      "base": dataclasses.replace(SWEEP.base, n_embd=d, n_head=d // 32),
+      **changes})
+
+
+SWEEPS = {"full": SWEEP, "quick": QUICK_SWEEP,
+          "width64": at_width(64),
+          "width128": at_width(128, reuse=(WIDTH_FOLDERS[128],)),
+          "width256": at_width(
+              256, grid=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
+              seeds=(100, 101), below=(3e-4,), claims=("high", "best"),
+              claim_seeds=WIDTH_CLAIM_SEEDS, trend="width64",
+              reuse=(WIDTH_FOLDERS[64],))}
 
 
 def sweep_config(sweep: Sweep, arm: str, eta: float) -> Config:
@@ -85,9 +136,18 @@ def sweep_config(sweep: Sweep, arm: str, eta: float) -> Config:
   return point_config(sweep.base, arm, hp, sweep.base.max_iters)
 
 
+def task_sweep(sweep: Sweep, task: tuple) -> Sweep:
+  """The sweep a task's run belongs to: (arm, eta, seed) this one's,
+  (arm, eta, seed, name) the sweep SWEEPS[name]'s (the trend's terms)."""
+  return SWEEPS[task[3]] if len(task) > 3 else sweep
+
+
+def task_config(sweep: Sweep, task: tuple) -> Config:
+  return sweep_config(task_sweep(sweep, task), task[0], task[1])
+
+
 def task_name(sweep: Sweep, task: tuple, data_id: str) -> str:
-  arm, eta, seed = task
-  return run_name(sweep_config(sweep, arm, eta), seed, data_id)
+  return run_name(task_config(sweep, task), task[2], data_id)
 
 
 def names(sweep: Sweep, data_id: str) -> sweep_lib.Names:
@@ -133,39 +193,64 @@ def eta_high(curve: Mapping) -> float:
 
 def claim_plan(sweep: Sweep, done: Mapping, data_id: str) -> dict:
   """{"best": {arm: its best sweep eta}, "high": eta_high} on the tuning
-  seeds (the sweep complete)."""
+  seeds (the sweep complete); with a `trend`, "trend": eta_high of that
+  sweep's curves (None while it is not complete)."""
   cs = report_lib.curves(sweep_lib.rows(sweep, done, names(sweep, data_id)),
                          LOSS_KEY)
-  return dict(best={a: report_lib.summary(cs[a])["best_eta"]
+  plan = dict(best={a: report_lib.summary(cs[a])["best_eta"]
                     for a in sweep.arms},
               high=eta_high(cs[sweep.arms[0]]))
+  if sweep.trend:
+    other = SWEEPS[sweep.trend]
+    name = names(other, data_id)
+    plan["trend"] = None if sweep_lib.remaining(other, done, name) else (
+        eta_high(report_lib.curves(sweep_lib.rows(other, done, name),
+                                   LOSS_KEY)[other.arms[0]]))
+  return plan
 
 
 def claim_tasks(sweep: Sweep, plan: Mapping) -> list:
-  """The claims' runs, (arm, eta, seed): every arm at its best and at the
-  high rate, every discovery seed before any confirmation seed."""
+  """The claims' runs, (arm, eta, seed): per stage, every discovery seed
+  before any confirmation seed, the tables of `claims` in turn (every arm
+  at its best, or at the high rate; a run two tables share once), then
+  the trend's terms (arm, eta, seed, trend): every arm of that sweep at its
+  eta_high. While the trend's sweep is not complete, no confirmation seed
+  is planned (every row of every table is run on discovery seeds first)."""
   out = []
   for stage in ("discovery", "confirmation"):
-    for seed in sweep.claim_seeds[stage]:
-      for arm in sweep.arms:
-        for eta in (plan["best"][arm], plan["high"]):
+    for which in sweep.claims:
+      for seed in sweep.claim_seeds[stage]:
+        for arm in sweep.arms:
+          eta = plan["best"][arm] if which == "best" else plan["high"]
           if (arm, eta, seed) not in out:
             out.append((arm, eta, seed))
+    if sweep.trend:
+      if plan["trend"] is None:
+        break
+      out += [(arm, plan["trend"], seed, sweep.trend)
+              for seed in sweep.claim_seeds[stage]
+              for arm in SWEEPS[sweep.trend].arms]
   return out
 
 
 def claim_runs(sweep: Sweep, done: Mapping, data_id: str) -> dict:
   """{"plan": claim_plan, stage: rows {arm, eta, seed, record}} of the
-  claims' finished runs; {} while the sweep is not complete."""
-  if sweep_lib.remaining(sweep, done, names(sweep, data_id)):
+  claims' finished runs (the trend's terms under "trend", by stage); {}
+  while the sweep is not complete, or where it has no claims."""
+  if (not sweep.claims and not sweep.trend) or sweep_lib.remaining(
+      sweep, done, names(sweep, data_id)):
     return {}
   plan = claim_plan(sweep, done, data_id)
-  out = {"plan": plan, "discovery": [], "confirmation": []}
+  out = {"plan": plan, "discovery": [], "confirmation": [],
+         "trend": {"discovery": [], "confirmation": []}}
   for t in claim_tasks(sweep, plan):
     rec = done.get(task_name(sweep, t, data_id))
     if sweep_lib.finished(rec):
-      out[harness.seed_block(t[2])].append(
-          dict(arm=t[0], eta=t[1], seed=t[2], record=rec))
+      row = dict(arm=t[0], eta=t[1], seed=t[2], record=rec)
+      (out["trend"] if len(t) > 3 else out)[
+          harness.seed_block(t[2])].append(row)
+  if not sweep.trend:
+    del out["trend"]
   return out
 
 
@@ -183,8 +268,8 @@ def prepare(sweep: Sweep, out: pathlib.Path, opts) -> tuple:
            **iteration_rates(harness.RunStore(out).records())}
 
   def execute(task) -> dict:
-    return train_run(sweep_config(sweep, task[0], task[1]),
-                     task[2], corpus, out, command=opts.command, log=opts.log)
+    return train_run(task_config(sweep, task), task[2], corpus, out,
+                     command=opts.command, log=opts.log)
 
   def describe(task, rec: dict) -> str:
     return (f"{rec['name']} (eta {task[1]:g}): val (whole split)"
@@ -194,8 +279,7 @@ def prepare(sweep: Sweep, out: pathlib.Path, opts) -> tuple:
   return corpus.data_id, execute, dict(
       plan=lambda done: remaining(sweep, done, corpus.data_id),
       describe=describe, desc="lm robustness",
-      expected_s=lambda t: run_seconds(
-          sweep_config(sweep, t[0], t[1]), rates))
+      expected_s=lambda t: run_seconds(task_config(sweep, t), rates))
 
 
 def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
@@ -203,17 +287,17 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
                       results_md: Optional[pathlib.Path] = None) -> dict:
   """`benchmarks.reports.robustness.report` of out's runs of the sweep
   (its plots linked from results_md's folder in the section)."""
-  done = sweep_lib.saved(out)
+  done = sweep_lib.saved(out, sweep)
   data_id = study_data(done.values())
   cfg = sweep.base
   return report_lib.report(
       out, sweep_lib.rows(sweep, done, names(sweep, data_id)),
-      plan="benchmarks/results/lm/robustness_plan.md",
+      plan=sweep.plan,
       grid=grid(sweep, done, data_id), seeds=sweep.seeds,
       left=len(remaining(sweep, done, data_id)),
       claims=claim_runs(sweep, done, data_id),
       figures=sweep_lib.figures(out, results_md),
-      heading=SECTION, title="LM", loss_key=LOSS_KEY,
+      heading=sweep.heading, title="LM", loss_key=LOSS_KEY,
       loss_text="whole-split validation loss", step_arms=STEPPED, setting=(
           f"nanoGPT's {'toy' if preset == 'quick' else 'CPU'} configuration"
           f" ({cfg.n_layer} layers, d {cfg.n_embd}, {cfg.n_head} heads,"

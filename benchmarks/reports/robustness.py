@@ -305,7 +305,7 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
            step_arms: Sequence[str], claims: Optional[Mapping] = None,
            figures: str = "") -> dict:
   """Writes out/robustness.md with its plots; returns {markdown, section,
-  curves}: section is the markdown with the plots' links prefixed by
+  curves, heading}: section is the markdown with the plots' links prefixed by
   `figures` (the folder as the RESULTS.md that holds it sees it). left:
   the planned runs not yet finished; claims: the claims' runs by stage
   with their plan (none before the sweep is complete); title, loss_key,
@@ -356,4 +356,5 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
   text = "\n".join(lines).rstrip("\n") + "\n"
   link = lambda prefix: text.replace("](FIGURES/", f"]({prefix}")
   harness.write_text(out / "robustness.md", link(""))
-  return dict(markdown=link(""), section=link(figures), curves=cs)
+  return dict(markdown=link(""), section=link(figures), curves=cs,
+              heading=heading)

@@ -326,3 +326,98 @@ def test_committed_sweep_reports_regenerate_without_the_data(bench, bump,
         str(tmp_path / "absent")] + (["--quiet"] if bench == "lm" else []))
   for f in sorted(src.glob("robustness*")):
     assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_width_sweeps_as_the_width_plan_fixes_them():
+  """--sweep width64/width128/width256 (benchmarks/results/lm/width_plan.md):
+  d 64 is the committed sweep with only the width changed, its runs named
+  as `--arms ... --set n_embd=64 --set n_head=2` names them; d 128 is the
+  committed sweep's runs on the four arms, every one of them committed (so
+  nothing is left to run); d 256 the trimmed grid, two seeds, the downward
+  point and the claims."""
+  from benchmarks import driver
+  parse = lambda *a: driver.parse(lm.experiment.EXPERIMENT, ["--robustness",
+                                                             *a])
+  arms = ("adamw", "stiefel", "stiefel_muon", "qk_norm")
+  data = "tinyshakespeare:md5=6fb458f1232090904fb40fe944165e91"
+  by_set = sweep_lib.configure(robustness.BENCH, parse(
+      "--arms", ",".join(arms), "--set", "n_embd=64", "--set", "n_head=2"))
+  w64 = sweep_lib.configure(robustness.BENCH, parse("--sweep", "width64"))
+  assert (w64.arms, w64.grid, w64.extension, w64.seeds, w64.claims) == (
+      arms, robustness.SWEEP.grid, (3.0, 10.0), (100, 101, 102), ())
+  planned = sweep_lib.tasks(w64, {}, robustness.names(w64, data))
+  assert len(planned) == 4 * 9 * 3
+  assert [robustness.task_name(w64, t, data) for t in planned] == [
+      robustness.task_name(by_set, t, data) for t in planned]
+  # d 128: the committed runs, read from their folder
+  w128 = robustness.SWEEPS["width128"]
+  assert w128.base == robustness.SWEEP.base and w128.arms == arms
+  done = harness.finished_runs(sweep_lib.reused(w128), current_version=True)
+  name = robustness.names(w128, data)
+  full = robustness.names(robustness.SWEEP, data)
+  planned = sweep_lib.tasks(w128, done, name)
+  assert len(planned) == 108 and all(
+      name(t) == full(t) and name(t) in done for t in planned)
+  assert robustness.remaining(w128, done, data) == []
+  # d 256
+  w256 = robustness.SWEEPS["width256"]
+  assert (w256.base.n_embd, w256.base.n_head, w256.seeds, w256.below) == (
+      256, 8, (100, 101), (3e-4,))
+  assert w256.grid == (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+  assert w256.extension == (3.0, 10.0)
+  assert w256.claim_seeds == {"discovery": (0, 1, 2, 3),
+                              "confirmation": (500, 501, 502, 503, 504)}
+  with pytest.raises(SystemExit, match="--sweep: one of"):
+    sweep_lib.configure(robustness.BENCH, parse("--sweep", "width512"))
+  with pytest.raises(SystemExit, match="give one of them"):
+    sweep_lib.configure(robustness.BENCH, parse("--quick", "--sweep",
+                                                "width64"))
+
+
+def test_width256_opens_its_downward_point_once_and_orders_its_claims():
+  """The d 256 downward rule on a synthetic `done`: 3e-4 is added for every
+  arm on both seeds once every run of the grid is in and some arm's best
+  mean is at 1e-3, never a second point; then the claims: per stage (b),
+  (a), then the d 64 terms of (c), and no confirmation seed before the d 64
+  sweep is complete."""
+  w256, data = robustness.SWEEPS["width256"], "d"
+  name = robustness.names(w256, data)
+  cfg = {"n_embd": 256}
+  rec = lambda loss, stopped=None: dict(
+      final={"val_loss_full": loss}, stopped=stopped, config=cfg, data=data,
+      numerics_version=harness.numerics_version(),
+      identity=harness.run_identity(cfg, data), history={"val_loss": [4.2]})
+  # AdamW diverges at 1 (no extension); every curve bottoms out at 3e-3
+  loss = lambda arm, eta: 4.3 if eta == 1.0 else 2.0 + abs(
+      np.log10(eta / 3e-3))
+  done = {name(t): rec(loss(t[0], t[1]), {"diverged_at": 250}
+                       if t[1] == 1.0 else None)
+          for t in sweep_lib.tasks(w256, {}, name)}
+  assert robustness.grid(w256, done, data) == w256.grid
+  low = ("stiefel_muon", 1e-3, 101)
+  del done[name(low)]
+  assert robustness.grid(w256, done, data) == w256.grid
+  done[name(low)] = rec(1.0)        # its best (mean of two seeds) at 1e-3
+  assert robustness.grid(w256, done, data) == (3e-4,) + w256.grid
+  left = robustness.remaining(w256, done, data)
+  assert left == [(a, 3e-4, s) for s in (100, 101)
+                  for a in w256.arms]
+  for t in left:                    # best at 3e-4 too: no second point
+    done[name(t)] = rec(0.5)
+  assert robustness.grid(w256, done, data) == (3e-4,) + w256.grid
+  plan = robustness.claim_plan(w256, done, data)
+  assert plan["trend"] is None      # the d 64 sweep not run here
+  claims = robustness.remaining(w256, done, data)
+  assert {t[2] for t in claims} == {0, 1, 2, 3}   # no confirmation seed
+  assert claims[:4] == [(a, plan["high"], 0) for a in w256.arms]
+  plan["trend"] = 0.03
+  tasks = robustness.claim_tasks(w256, plan)
+  stage = [0 if t[2] < 500 else 1 for t in tasks]
+  assert stage == sorted(stage)
+  d64 = [t for t in tasks if len(t) > 3]
+  assert d64 and all(t[1] == 0.03 and t[3] == "width64" for t in d64)
+  assert len(d64) == 4 * 9
+  first = tasks.index(d64[0])
+  assert all(t[2] < 500 for t in tasks[:first]) and tasks[first - 1][2] < 500
+  assert (robustness.task_name(w256, d64[0], data) == robustness.task_name(
+      robustness.SWEEPS["width64"], d64[0][:3], data))
