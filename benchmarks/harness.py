@@ -239,8 +239,13 @@ PATH_OPTIONS = ("--out", "--data", "--data-dir", "--hp-from", "--results-md")
 
 def command_line(module: str, argv: Sequence[str]) -> str:
   """`python -m module argv...` as a record may keep it: the values of the
-  path options made `portable`."""
-  out, prev = ["python", "-m", module], None
+  path options made `portable`; a module given with its experiment
+  ("benchmarks grokking", the one driver's form) stays two words.
+
+  >>> command_line("benchmarks grokking", ["--preset", "frac0.5"])
+  'python -m benchmarks grokking --preset frac0.5'
+  """
+  out, prev = ["python", "-m", *module.split()], None
   for arg in argv:
     opt, eq, val = arg.partition("=")
     if prev in PATH_OPTIONS:

@@ -498,13 +498,17 @@ def section_text(load: Callable[[Path], tuple], probe_arm: str,
                  template: Path = SECTION_TEMPLATE, plots: bool = True) -> str:
   """The Grokking section of RESULTS.md: the template verbatim, each
   `<!-- report: FOLDER [long] -->` line replaced by that study's report
-  (regenerated from its raw runs; `long`: its long-run table only).
+  (regenerated from its raw runs; `long`: its long-run table only; a
+  paired study's folder: `paired_report`'s).
 
   load: a study folder -> (cfg, study, runs) as `report` takes them (the
   experiment reads its study.json and saved runs)."""
   def study(folder: str, part: str = "all") -> str:
     out = template.parent / folder
-    rep = report(out, *load(out), probe_arm, plots=plots)
+    cfg, spec, runs = load(out)
+    if getattr(spec, "kind", None) == "paired":
+      return paired_report(out, cfg, spec, runs, plots=plots)["table"]
+    rep = report(out, cfg, spec, runs, probe_arm, plots=plots)
     return rep["table"] if part == "all" else rep["results"]["long"]["table"]
   return harness.expand(template.read_text(), {"report": study})
 
