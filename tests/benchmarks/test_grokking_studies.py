@@ -19,7 +19,8 @@ TINY = ["--set", "p=11", "--set", "d_model=16", "--set", "num_heads=2",
         "--set", "d_mlp=32", "--set", "num_layers=1", "--set", "log_every=10",
         "--set", "steps=20", "--quiet", "--no-plots"]
 REFERENCE = harness.REFERENCE_ROOT / "grokking"
-FOLDERS = ("default", "full", "full_long_seed3", "long_frac0.3")
+FOLDERS = tuple(f"history_0.1.0/{f}" for f in (
+    "default", "full", "full_long_seed3", "long_frac0.3"))
 
 
 def _configure(argv):
