@@ -77,7 +77,7 @@ def test_committed_reports_regenerate(tmp_path):
     for name in ("table.md", "results.json"):
       want = src.joinpath(name).read_text().replace(
           f"--report-only --out benchmarks/results/grokking/{folder}",
-          f"--report-only --out {folder}")
+          f"--report-only --out {harness.portable(out)}")
       assert out.joinpath(name).read_text() == want, (folder, name)
 
 
