@@ -32,6 +32,7 @@ from benchmarks.lm.study import REFERENCE_DIR, point_config, study_data
 from benchmarks.lm.timing import iteration_rates, run_seconds
 from benchmarks.lm.train import STEPPED, train_run
 from benchmarks.reports import robustness as report_lib
+from benchmarks.reports import width as width_lib
 
 SECTION = "## Learning-rate robustness (language model)"
 # What the report reads of a run: its whole-split validation loss.
@@ -305,6 +306,27 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
           f" corpus {data_id}; an arm's Q/K rates move with eta by its"
           f" study ratio ({sweep.ratio_text()};"
           f" stiefel's cap {sweep.cap_ratio:g} x its Q/K lr)."))
+
+
+def width_report(out: pathlib.Path,
+                 widths: Optional[Mapping] = None) -> dict:
+  """The cross-width report (`benchmarks.reports.width`) written to out:
+  widths {d: (its sweep, its folder)}, default the plan's (SWEEPS
+  width64/128/256 in WIDTH_FOLDERS under benchmarks/results); a folder
+  without runs is a width shown as missing."""
+  widths = widths or {d: (SWEEPS[f"width{d}"], harness.REFERENCE_ROOT / f)
+                      for d, f in WIDTH_FOLDERS.items()}
+  cs, left = {}, {}
+  for d, (sweep, folder) in sorted(widths.items()):
+    done = sweep_lib.saved(folder, sweep)
+    data_id = study_data(done.values())
+    name = names(sweep, data_id)
+    cs[d] = report_lib.curves(sweep_lib.rows(sweep, done, name), LOSS_KEY)
+    left[d] = len(remaining(sweep, done, data_id))
+  arms = list(dict.fromkeys(a for sw, _ in widths.values() for a in sw.arms))
+  return width_lib.report(
+      out, cs, arms, sorted(widths), plan=WIDTH_PLAN, left=left,
+      heading="## Learning-rate robustness across width (language model)")
 
 
 BENCH = sweep_lib.Bench(sweeps=SWEEPS, folder="lm_robustness",

@@ -421,3 +421,50 @@ def test_width256_opens_its_downward_point_once_and_orders_its_claims():
   assert all(t[2] < 500 for t in tasks[:first]) and tasks[first - 1][2] < 500
   assert (robustness.task_name(w256, d64[0], data) == robustness.task_name(
       robustness.SWEEPS["width64"], d64[0][:3], data))
+
+
+def test_width_report_on_two_toy_widths_with_a_width_missing(tmp_path):
+  """The cross-width report (benchmarks/reports/width.py) on two toy widths
+  of synthetic finished runs and a third without any: the common rates are
+  those both widths measured, the missing width is named and tabulated as
+  missing, and the bytes (markdown and the three figures) come back the
+  same on a second run."""
+  data = "tinyshakespeare:md5=" + lm.study.CORPUS_MD5
+  base = robustness.QUICK_SWEEP
+  widths = {}
+  for d, grid in ((8, (1e-2, 0.1, 1.0)), (16, (1e-3, 1e-2, 0.1)),
+                  (32, (1e-2, 0.1))):
+    sweep = dataclasses.replace(
+        base, arms=("adamw", "stiefel"), grid=grid, extension=(),
+        claims=(), base=dataclasses.replace(base.base, n_embd=d))
+    folder = tmp_path / f"d{d}"
+    widths[d] = (sweep, folder)
+    if d == 32:
+      continue                      # a width without runs
+    store = harness.RunStore(folder)
+    for arm, eta, seed in sweep_lib.tasks(sweep, {}, robustness.names(
+        sweep, data)):
+      cfg = robustness.sweep_config(sweep, arm, eta)
+      loss = 2.0 + abs(np.log10(eta / 1e-2)) * (0.5 if arm == "stiefel"
+                                                 else 1.0) + d / 100
+      rec = dict(name=lm.config.run_name(cfg, seed, data),
+                 config=dataclasses.asdict(cfg), data=data,
+                 numerics_version=harness.numerics_version(),
+                 final={"val_loss_full": loss},
+                 history={"val_loss": [4.0], "step": [0]})
+      rec["identity"] = harness.run_identity(rec["config"], data)
+      store.save(rec["name"], rec)
+  out = tmp_path / "width"
+  rep = robustness.width_report(out, widths)
+  text = rep["markdown"]
+  assert "common to every width with runs, for every arm: 0.01, 0.1." in text
+  assert "without any: d 32" in text
+  assert "Missing (no run): adamw at d 32, stiefel at d 32." in text
+  tab = rep["table"]
+  assert tab["adamw"][32] is None and tab["stiefel"][8]["best_eta"] == 1e-2
+  assert tab["adamw"][8]["common"] == pytest.approx(0.5)   # (0 + 1) / 2
+  files = {p.name: p.read_bytes() for p in out.iterdir()}
+  assert set(files) == {"width.md", "width_sensitivity.png",
+                        "width_best_eta.png", "width_transfer.png"}
+  robustness.width_report(out, widths)
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == files
