@@ -81,6 +81,20 @@ def test_committed_reports_regenerate(tmp_path):
       assert out.joinpath(name).read_text() == want, (folder, name)
 
 
+@pytest.mark.parametrize("folder", ["frac0.5", "frac0.3"])
+def test_committed_paired_studies_regenerate(tmp_path, folder):
+  """The two five-seed studies' table.md and results.json come back byte
+  for byte from their runs (the regenerate line names the copy)."""
+  src, out = REFERENCE / folder, tmp_path / folder
+  shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.png", "*.npz"))
+  report_lib.paired_report(out, *grokking.load_study(out), plots=False)
+  for name in ("table.md", "results.json"):
+    want = src.joinpath(name).read_text().replace(
+        f"--report-only --out benchmarks/results/grokking/{folder}",
+        f"--report-only --out {harness.portable(out)}")
+    assert out.joinpath(name).read_text() == want, (folder, name)
+
+
 def test_cycle_rule_on_synthetic_records():
   assert report_lib.CycleRule()[:4] == (10.0, 0.5, 20, 0.01)   # the plan's
   rule = report_lib.CycleRule(window=5, separation=500)
