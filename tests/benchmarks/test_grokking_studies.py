@@ -60,9 +60,9 @@ def test_new_fields_keep_the_committed_identities():
   """Fields at their defaults stay out of to_dict, so every committed
   0.1.0 run is still found under its recorded configuration."""
   assert grokking.Config().to_dict() == json.loads(
-      (REFERENCE / "default" / "study.json").read_text())["config"]
+      (REFERENCE / FOLDERS[0] / "study.json").read_text())["config"]
   assert grokking.Config(batch_size=512, eps=1e-6).to_dict()["eps"] == 1e-6
-  cfg, study, runs = grokking.load_study(REFERENCE / "default")
+  cfg, study, runs = grokking.load_study(REFERENCE / FOLDERS[0])
   assert all(len(runs[a]) == 5 for a in ("adamw", "stiefel", "rsgd"))
 
 
