@@ -67,7 +67,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stiefel_optax import partition, specs as specs_lib
+from stiefel_optax import groups, specs as specs_lib
 from stiefel_optax.specs import FrameSpec
 
 _SHARDING_TYPES = (NamedSharding, PartitionSpec)
@@ -275,7 +275,7 @@ class _Mapper:
           " the optimizer does: pass it the optimizer's own frames=.)"
       ) from None
     f_tree, r_tree = jax.eval_shape(
-        lambda p: partition.split_groups(p, items), self.params)
+        lambda p: groups.split_groups(p, items), self.params)
     f_leaves, r_leaves, per_leaf = [], [], []
     for (path, x, spec), s in zip(items, self.shardings):
       entries = _padded(_spec(s), len(_shape(x)))
@@ -305,7 +305,7 @@ class _Mapper:
     transform, each stack sharded as its members (which must agree)."""
     # per_leaf follows the params' leaves, as stack_plan's indices (with
     # MaskedNode standing for the unselected ones) do.
-    plan = partition.stack_plan(f_tree, partition.stack_limit(setting))
+    plan = groups.stack_plan(f_tree, groups.stack_limit(setting))
     leaves, conflict = [], None
     for group in plan:
       members = [per_leaf[i] for i in group]
@@ -329,13 +329,13 @@ class _Mapper:
   # The walk ----------------------------------------------------------------
 
   def walk(self, node, path, targets, group):
-    if isinstance(node, partition.FramePartitionState):
+    if isinstance(node, groups.FramePartitionState):
       frame_targets, rest_target = self.groups()
       stiefel = self.walk(node.stiefel, path + ".stiefel", frame_targets,
                           "stiefel")
       euclidean = self.walk(node.euclidean, path + ".euclidean",
                             [rest_target], "euclidean")
-      return partition.FramePartitionState(stiefel, euclidean)
+      return groups.FramePartitionState(stiefel, euclidean)
     treedef = jax.tree.structure(node)
     if treedef.num_leaves == 1 and treedef.num_nodes == 1:   # an array
       return self.leaf(node, path, group, None)
@@ -548,8 +548,8 @@ def state_shardings(tx: optax.GradientTransformation, params,
     .euclidean[0].mu['out']['kernel'] P('heads', 'kv', 'embed')
     .euclidean[0].nu['out']['kernel'] P('heads', 'kv', 'embed')
   """
-  meta = partition.flax_meta()
-  if partition.boxed_paths(params):
+  meta = groups.flax_meta()
+  if groups.boxed_paths(params):
     if param_shardings is None:
       param_shardings = meta.get_partition_spec(params)
     params = meta.unbox(params)
@@ -559,7 +559,7 @@ def state_shardings(tx: optax.GradientTransformation, params,
         " PartitionSpec in the structure of params); it can be left out only"
         " for Flax-boxed params (nn.with_logical_partitioning), whose"
         " nn.get_partition_spec it then uses.")
-  if partition.boxed_paths(param_shardings):
+  if groups.boxed_paths(param_shardings):
     param_shardings = meta.get_partition_spec(param_shardings)
   shardings = _check_shardings(params, param_shardings)
   mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)),
