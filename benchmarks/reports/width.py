@@ -27,8 +27,6 @@ from __future__ import annotations
 import pathlib
 from typing import Mapping, Optional, Sequence
 
-import numpy as np
-
 from benchmarks import harness
 from benchmarks.reports.robustness import fmt_eta, summary
 
@@ -36,26 +34,27 @@ MISSING = "missing"
 
 
 def common_rates(cs: Mapping, arms: Sequence[str]) -> tuple:
-  """The rates every width with runs measured for every arm (ascending)."""
-  sets = [set(c[a]) for c in cs.values() if c for a in arms]
+  """The rates every width with runs measured for every arm it has run
+  (ascending)."""
+  sets = [set(c[a]) for c in cs.values() if c for a in arms if a in c]
   return tuple(sorted(set.intersection(*sets))) if sets else ()
 
 
 def sensitivity(curve: Mapping, rates: Sequence[float]) -> Optional[float]:
   """Wortsman et al.'s sensitivity over `rates` (mean of min(L, L0) - min
   L, the capped means of the curve's points there); None without them."""
-  means = [curve[e]["mean"] for e in rates if e in curve]
-  if not means or len(means) < len(rates):
+  if not rates or any(e not in curve for e in rates):
     return None
-  return float(np.mean(means) - min(means))
+  return summary({e: curve[e] for e in rates})["sensitivity"]
 
 
-def table(cs: Mapping, arms: Sequence[str], widths: Sequence[int]) -> dict:
+def table(cs: Mapping, arms: Sequence[str], widths: Sequence[int],
+          rates: Sequence[float]) -> dict:
   """{arm: {width: row or None}}: row {common, own, best_eta, best, n}
   (sensitivity over the common rates and over the width's own grid, its
   best point, its number of points); None where the width has no run of
-  the arm."""
-  rates = common_rates(cs, arms)
+  the arm; the common sensitivity None where the curve lacks one of
+  `rates`."""
   out = {}
   for arm in arms:
     out[arm] = {}
@@ -131,8 +130,10 @@ def report(out: pathlib.Path, cs: Mapping, arms: Sequence[str],
            left: Mapping) -> dict:
   """Writes out/width.md and its three figures from {width: curves}
   (left: {width: planned runs not finished}); returns {markdown, table}."""
-  tab = table(cs, arms, widths)
-  rates = common_rates(cs, arms)
+  # A width still running (planned runs left) does not narrow the common
+  # rates: its partial grid would shrink every width's sensitivity.
+  rates = common_rates({w: c for w, c in cs.items() if not left.get(w)}, arms)
+  tab = table(cs, arms, widths, rates)
   have = [w for w in widths if cs.get(w)]
   missing = [w for w in widths if not cs.get(w)]
   lines = [heading, "", f"Plan (fixed before any run): `{plan}`. Widths"
@@ -142,7 +143,8 @@ def report(out: pathlib.Path, cs: Mapping, arms: Sequence[str],
            + ", ".join(f"d {w} {left.get(w, MISSING)}" for w in widths)
            + ".", "",
            "Rates common to every width with runs, for every arm: "
-           + (", ".join(fmt_eta(e) for e in rates) or "none") + ".", ""]
+           + (", ".join(fmt_eta(e) for e in rates) or "none") + ". A width"
+           " with planned runs left does not narrow them.", ""]
   lines += table_lines(tab, widths) + [""]
   gaps = [f"{a} at d {w}" for a, by in tab.items() for w in widths
           if by[w] is None]

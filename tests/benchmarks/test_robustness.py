@@ -468,3 +468,22 @@ def test_width_report_on_two_toy_widths_with_a_width_missing(tmp_path):
                         "width_best_eta.png", "width_transfer.png"}
   robustness.width_report(out, widths)
   assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+
+
+def test_width_report_with_a_width_still_running(tmp_path):
+  """A width with runs left, one arm not yet run there: no crash, the arm
+  named missing there, and its partial grid does not narrow the common
+  rates (the complete widths' rates stand)."""
+  from benchmarks.reports import width as width_lib
+  pt = lambda m: dict(mean=m, losses=[m], seeds=[0], diverged=[])
+  cs = {8: {"a": {1e-2: pt(2.0), 0.1: pt(3.0)},
+            "b": {1e-2: pt(2.5), 0.1: pt(2.6)}},
+        16: {"a": {0.1: pt(2.2)}}}
+  rep = width_lib.report(tmp_path, cs, ["a", "b"], [8, 16], heading="## W",
+                         plan="plan.md", left={8: 0, 16: 3})
+  assert "for every arm: 0.01, 0.1. A width with planned runs left" in (
+      rep["markdown"])
+  assert rep["table"]["b"][16] is None
+  assert rep["table"]["a"][16]["common"] is None
+  assert rep["table"]["a"][8]["common"] == pytest.approx(0.5)
+  assert "Missing (no run): b at d 16." in rep["markdown"]
