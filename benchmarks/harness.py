@@ -440,12 +440,22 @@ def fmt_t(t: float) -> str:
   return f"{t:.2f}" if np.isfinite(t) else ""
 
 
+def fmt_signed(x: float, digits: int) -> str:
+  return f"{x:+.{digits}f}" if np.isfinite(x) else "nan"
+
+
 def fmt_diff(r: Mapping, digits: int, unit: str = "") -> str:
   """A row's treatment - baseline with its 95% CI: '+1.20 pp [+0.30,
   +2.10]'."""
-  f = lambda x: f"{x:+.{digits}f}" if np.isfinite(x) else "nan"
-  return (f"{f(r['mean_diff'])}{' ' + unit if unit else ''}"
-          f" [{f(r['ci_low'])}, {f(r['ci_high'])}]")
+  return (f"{fmt_signed(r['mean_diff'], digits)}{' ' + unit if unit else ''}"
+          f" [{fmt_signed(r['ci_low'], digits)},"
+          f" {fmt_signed(r['ci_high'], digits)}]")
+
+
+def fmt_interval(r: Mapping, digits: int) -> str:
+  """A row's bootstrap interval (`stats.paired_row`): '[+0.30, +2.10]'."""
+  return (f"[{fmt_signed(r['boot_low'], digits)},"
+          f" {fmt_signed(r['boot_high'], digits)}]")
 
 
 def comparison_lines(rows: Sequence[Mapping], metric: str, digits: int = 2,
@@ -455,20 +465,25 @@ def comparison_lines(rows: Sequence[Mapping], metric: str, digits: int = 2,
   row the arms, (with `size`, a column so headed holding the row's
   'size'), the seeds, both arms' mean `metric` with their mean training
   loss in brackets where the row has it (the regime each is in),
-  treatment - baseline with its 95% CI, paired t and p, Holm p across the
-  table and the seeds the treatment wins."""
+  treatment - baseline with its 95% CI (and, where the rows have it, the
+  bootstrap interval beside), paired t and p, Holm p across the table and
+  the seeds the treatment wins."""
   sized = [size] if size else []
+  boot = bool(rows) and "boot_low" in rows[0]
   mean = lambda r, role: f"{r['mean_' + role]:.{digits}f}" + (
       f" ({r['loss_' + role]:.{loss_digits}f})" if "loss_" + role in r
       else "")
   return markdown_table(
       ["treatment", "baseline", *sized, "seeds", f"treatment {metric} (train"
        " loss)", f"baseline {metric} (train loss)", "difference [95% CI]",
-       "t", "p", "p (Holm)", "wins"], "ll" + "r" * len(sized) + "lrrlrrrr",
+       *(["bootstrap 95% CI"] if boot else []),
+       "t", "p", "p (Holm)", "wins"],
+      "ll" + "r" * len(sized) + "lrrl" + "l" * boot + "rrrr",
       [[r["treatment"], r["baseline"], *([r["size"]] if size else []),
         format_seeds(r["seeds"]), mean(r, "treatment"), mean(r, "baseline"),
-        fmt_diff(r, digits), fmt_t(r["t"]),
-        fmt_p(r["p"]), fmt_p(r["p_holm"]), f"{r['wins']}/{r['n']}"]
+        fmt_diff(r, digits), *([fmt_interval(r, digits)] if boot else []),
+        fmt_t(r["t"]), fmt_p(r["p"]), fmt_p(r["p_holm"]),
+        f"{r['wins']}/{r['n']}"]
        for r in rows])
 
 

@@ -50,7 +50,8 @@ class Sweep(sweep_lib.Sweep):
   `trend` (the name in SWEEPS of a smaller width's sweep whose runs at its
   own eta_high, on the claims' seeds, are run here after this sweep's
   claims of each stage: the other width's terms of the trend claim), and
-  the plan and heading its report names."""
+  the plan and heading its report names; `bootstrap`: the claims tables
+  carry a percentile bootstrap interval beside the t-interval."""
   cap_ratio: float
   base: Config
   claim_seeds: Mapping = dataclasses.field(default_factory=lambda: {
@@ -60,6 +61,7 @@ class Sweep(sweep_lib.Sweep):
   trend: Optional[str] = None
   plan: str = "benchmarks/results/lm/robustness_plan.md"
   heading: str = SECTION
+  bootstrap: bool = False
 
 
 # The study's choices against adamw's lr 1e-2 (results/lm/results.json
@@ -124,7 +126,7 @@ SWEEPS = {"full": SWEEP, "quick": QUICK_SWEEP,
               256, grid=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
               seeds=(100, 101), below=(3e-4,), claims=("high", "best"),
               claim_seeds=WIDTH_CLAIM_SEEDS, trend="width64",
-              reuse=(WIDTH_FOLDERS[64],))}
+              reuse=(WIDTH_FOLDERS[64],), bootstrap=True)}
 
 
 def sweep_config(sweep: Sweep, arm: str, eta: float) -> Config:
@@ -296,7 +298,7 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
       plan=sweep.plan,
       grid=grid(sweep, done, data_id), seeds=sweep.seeds,
       left=len(remaining(sweep, done, data_id)),
-      claims=claim_runs(sweep, done, data_id),
+      claims=claim_runs(sweep, done, data_id), bootstrap=sweep.bootstrap,
       figures=sweep_lib.figures(out, results_md),
       heading=sweep.heading, title="LM", loss_key=LOSS_KEY,
       loss_text="whole-split validation loss", step_arms=STEPPED, setting=(

@@ -209,52 +209,139 @@ def step_table(rows: Sequence[Mapping], arms: Sequence[str]) -> list:
 CLAIMS = {"best": "(a) each arm at its own best sweep point against AdamW"
                    " at its own best",
           "high": "(b) each arm against AdamW at the high rate"}
+TREND = ("(c) the trend with width: each arm's difference from AdamW at the"
+         " high rate, at this width against the smaller width")
+
+
+def capped_losses(rows: Sequence[Mapping], arm: str, eta: float,
+                  loss_key: str) -> dict:
+  """{seed: capped final loss} of the arm's runs at eta."""
+  return {r["seed"]: capped_loss(r["record"], loss_key) for r in rows
+          if r["arm"] == arm and r["eta"] == eta}
 
 
 def claim_rows(rows: Sequence[Mapping], plan: Mapping, which: str,
                arms: Sequence[str], loss_key: str,
-               reference: str = "adamw") -> list:
+               reference: str = "adamw", bootstrap: bool = False) -> list:
   """A claims table (`stats.comparison_rows`, Holm across it): each arm
   against the reference, both at their best sweep points (which="best")
-  or both at plan["high"]; the capped final loss, paired by seed."""
+  or both at plan["high"]; the capped final loss, paired by seed (with
+  `bootstrap`, each row's bootstrap interval beside its t-interval)."""
   eta = lambda a: plan["best"][a] if which == "best" else plan["high"]
-  score = lambda c, role: {
-      r["seed"]: capped_loss(r["record"], loss_key) for r in rows
-      if r["arm"] == c[role] and r["eta"] == eta(c[role])}
+  score = lambda c, role: capped_losses(rows, c[role], eta(c[role]),
+                                        loss_key)
   pairs = [dict(treatment=a, baseline=reference, eta=eta(a),
                 baseline_eta=eta(reference)) for a in arms if a != reference]
-  return stats.comparison_rows(pairs, score, lower_is_better=True)
+  return stats.comparison_rows(pairs, score, lower_is_better=True,
+                               bootstrap=bootstrap)
+
+
+def gap(rows: Sequence[Mapping], arm: str, eta: float, loss_key: str,
+        reference: str = "adamw") -> dict:
+  """{seed: D}, D = the arm's capped loss - the reference's, both at eta,
+  on the seeds both ran."""
+  a = capped_losses(rows, arm, eta, loss_key)
+  b = capped_losses(rows, reference, eta, loss_key)
+  return {s: a[s] - b[s] for s in sorted(a.keys() & b.keys())}
+
+
+def trend_rows(rows: Sequence[Mapping], trend: Sequence[Mapping],
+               plan: Mapping, arms: Sequence[str], loss_key: str,
+               reference: str = "adamw", bootstrap: bool = False) -> list:
+  """The trend table (the width plan's (c)): per arm and seed, T = D(this
+  width) - D(the smaller width), D = `gap` at each width's own high rate
+  (plan["high"] on `rows`, plan["trend"] on `trend`, the smaller width's
+  runs); paired by seed (`stats.comparison_rows`: mean_diff is T's mean,
+  wins the seeds where T < 0, i.e. where the arm's advantage over the
+  reference grew with width), Holm across the arms."""
+  score = lambda c, role: (
+      gap(rows, c["treatment"], plan["high"], loss_key, reference)
+      if role == "treatment" else
+      gap(trend, c["treatment"], plan["trend"], loss_key, reference))
+  pairs = [dict(treatment=a, baseline=reference) for a in arms
+           if a != reference]
+  return stats.comparison_rows(pairs, score, lower_is_better=True,
+                               bootstrap=bootstrap)
+
+
+def trend_lines(rows: list, digits: int = 4) -> list:
+  """The trend table's lines: per arm, the seeds, D at the smaller width
+  and at this width (means), T with its t-interval and (where the rows
+  have it) the bootstrap interval, t, p, Holm p, the seeds where T < 0."""
+  boot = bool(rows) and "boot_low" in rows[0]
+  return harness.markdown_table(
+      ["arm", "seeds", "D (smaller width)", "D (this width)", "T [95% CI]",
+       *(["bootstrap 95% CI"] if boot else []), "t", "p", "p (Holm)",
+       "T < 0"], "llrrl" + "l" * boot + "rrrr",
+      [[r["treatment"], harness.format_seeds(r["seeds"]),
+        harness.fmt_signed(r["mean_baseline"], digits),
+        harness.fmt_signed(r["mean_treatment"], digits),
+        harness.fmt_diff(r, digits),
+        *([harness.fmt_interval(r, digits)] if boot else []),
+        harness.fmt_t(r["t"]), harness.fmt_p(r["p"]),
+        harness.fmt_p(r["p_holm"]), f"{r['wins']}/{r['n']}"]
+       for r in rows])
+
+
+def findings_lines(tables: Mapping, arms: Sequence[str]) -> list:
+  """The claims policy's findings from a table's discovery and
+  confirmation rows."""
+  found = stats.confirmed(tables["discovery"], tables["confirmation"],
+                          arms=arms)
+  complete = stats.confirmation_complete(
+      tables["discovery"], tables["confirmation"], arms=arms)
+  return ["Findings: " + ("; ".join(
+      harness.finding_text(r, "", digits=4) for r in found) or "none")
+          + ("." if complete else " (confirmation not complete: none"
+             " can be read yet)."), ""]
 
 
 def claim_lines(claims: Mapping, arms: Sequence[str], loss_key: str,
-                loss_text: str) -> list:
-  """Both claims tables on discovery and confirmation seeds, and the
-  findings by the claims policy."""
+                loss_text: str, bootstrap: bool = False) -> list:
+  """The claims tables (a) and (b), and (c) where the claims hold the
+  trend's runs, on discovery and confirmation seeds, and the findings by
+  the claims policy (with `bootstrap`, each row's bootstrap interval)."""
   plan = claims["plan"]
-  out = ["### Claims (the plan's tables (a) and (b))", "",
+  trend = "trend" in claims
+  out = ["### Claims (the plan's tables (a)" + (", (b) and (c))" if trend
+                                                else " and (b))"), "",
          "Best sweep points (tuning seeds): " + ", ".join(
              f"{a} {fmt_eta(e)}" for a, e in plan["best"].items())
          + f"; the high rate: eta {fmt_eta(plan['high'])}. Loss: the"
          f" capped final {loss_text}; difference: treatment"
          " - adamw (negative: the treatment is better); wins: seeds where"
-         " it is lower.", ""]
+         " it is lower." + (" Intervals: the t-interval, and beside it the"
+                            " percentile bootstrap over seeds (10,000"
+                            " resamples, generator seed 0)." if bootstrap
+                            else ""), ""]
   for which, title in CLAIMS.items():
     tables = {st: claim_rows(claims[st], plan, which, arms,
-                             loss_key=loss_key)
+                             loss_key=loss_key, bootstrap=bootstrap)
               for st in ("discovery", "confirmation")}
     out += [f"#### {title}", ""]
     for st, rows in tables.items():
       out += [f"{st.capitalize()} seeds:", ""]
       out += (harness.comparison_lines(rows, "loss", digits=4)
               if rows else ["Not run yet."]) + [""]
-    found = stats.confirmed(tables["discovery"], tables["confirmation"],
-                            arms=arms)
-    complete = stats.confirmation_complete(
-        tables["discovery"], tables["confirmation"], arms=arms)
-    out += ["Findings: " + ("; ".join(
-        harness.finding_text(r, "", digits=4) for r in found) or "none")
-            + ("." if complete else " (confirmation not complete: none"
-               " can be read yet)."), ""]
+    out += findings_lines(tables, arms)
+  if trend:
+    out += [f"#### {TREND}", ""]
+    if plan["trend"] is None:
+      return out + ["The smaller width's sweep is not complete: its high"
+                    " rate, and so this table, is not fixed yet.", ""]
+    out += [f"D = the arm's loss - adamw's at each width's own high rate"
+            f" (here eta {fmt_eta(plan['high'])}, at the smaller width eta"
+            f" {fmt_eta(plan['trend'])}); T = D(this width) - D(smaller"
+            " width) per seed. T < 0: the arm's advantage over AdamW at ten"
+            " times AdamW's best rate grew with width; T > 0: it shrank.",
+            ""]
+    tables = {st: trend_rows(claims[st], claims["trend"][st], plan, arms,
+                             loss_key, bootstrap=bootstrap)
+              for st in ("discovery", "confirmation")}
+    for st, rows in tables.items():
+      out += [f"{st.capitalize()} seeds:", ""]
+      out += (trend_lines(rows) if rows else ["Not run yet."]) + [""]
+    out += findings_lines(tables, arms)
   return out
 
 
@@ -303,12 +390,13 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
            reference: str = "adamw", heading: str, setting: str,
            title: str, loss_key: str, loss_text: str,
            step_arms: Sequence[str], claims: Optional[Mapping] = None,
-           figures: str = "") -> dict:
+           bootstrap: bool = False, figures: str = "") -> dict:
   """Writes out/robustness.md with its plots; returns {markdown, section,
   curves, heading}: section is the markdown with the plots' links prefixed by
   `figures` (the folder as the RESULTS.md that holds it sees it). left:
   the planned runs not yet finished; claims: the claims' runs by stage
-  with their plan (none before the sweep is complete); title, loss_key,
+  with their plan (none before the sweep is complete), their rows with
+  bootstrap intervals where `bootstrap`; title, loss_key,
   loss_text: the benchmark's name in the plot, the `final` loss read and
   its words; step_arms: the arms whose step records are tabulated (those
   of them the rows hold). The logit plot and table appear where the runs record
@@ -352,7 +440,7 @@ def report(out: pathlib.Path, rows: Sequence[Mapping], *, plan: str,
                 " steps and tuning seeds):", ""]
       lines += step_table(rows, stiefel) + [""]
   if claims:
-    lines += claim_lines(claims, list(cs), loss_key, loss_text)
+    lines += claim_lines(claims, list(cs), loss_key, loss_text, bootstrap)
   text = "\n".join(lines).rstrip("\n") + "\n"
   link = lambda prefix: text.replace("](FIGURES/", f"]({prefix}")
   harness.write_text(out / "robustness.md", link(""))

@@ -487,3 +487,48 @@ def test_width_report_with_a_width_still_running(tmp_path):
   assert rep["table"]["a"][16]["common"] is None
   assert rep["table"]["a"][8]["common"] == pytest.approx(0.5)
   assert "Missing (no run): b at d 16." in rep["markdown"]
+
+
+def test_trend_table_is_each_widths_gap_to_adamw_paired_by_seed():
+  """The width plan's (c): per seed T = D(d 256) - D(d 64), D = the arm's
+  capped loss - adamw's at that width's own high rate; the table's mean is
+  T's, its wins the seeds with T < 0, its bootstrap interval holds the
+  mean and regenerates the same; rows of the other rate are not read; and
+  before the smaller width's rate is fixed the table says so."""
+  rec = lambda loss: dict(final={"val_loss_full": loss}, stopped=None,
+                          history={"val_loss": [9.0]})
+  seeds = (0, 1, 2, 3)
+  # at d 256 (eta 0.1) stiefel is 1.0 + s / 10 below adamw; at d 64
+  # (eta 0.3) 0.5 below: T = -0.5 - s / 10
+  big = [dict(arm=a, eta=0.1, seed=s, record=rec(
+      3.0 if a == "adamw" else 2.0 - s / 10)) for s in seeds
+         for a in ("adamw", "stiefel")]
+  big += [dict(arm="stiefel", eta=0.01, seed=s, record=rec(0.0))
+          for s in seeds]                  # another rate: not read
+  small = [dict(arm=a, eta=0.3, seed=s, record=rec(
+      2.5 if a == "adamw" else 2.0)) for s in seeds
+           for a in ("adamw", "stiefel")]
+  plan = dict(best={"adamw": 0.01, "stiefel": 0.01}, high=0.1, trend=0.3)
+  [row] = report_lib.trend_rows(big, small, plan, ["adamw", "stiefel"],
+                                "val_loss_full", bootstrap=True)
+  assert row["mean_diff"] == pytest.approx(-0.65)
+  assert row["mean_treatment"] == pytest.approx(-1.15)   # D at d 256
+  assert row["mean_baseline"] == pytest.approx(-0.5)     # D at d 64
+  assert row["wins"] == 4 and row["seeds"] == list(seeds)
+  assert row["boot_low"] < -0.65 < row["boot_high"] <= -0.5
+  claims = {"plan": plan, "discovery": big, "confirmation": [],
+            "trend": {"discovery": small, "confirmation": []}}
+  lines = report_lib.claim_lines(claims, ["adamw", "stiefel"],
+                                 "val_loss_full", "loss", bootstrap=True)
+  text = "\n".join(lines)
+  assert "#### (c) the trend with width" in text
+  assert "| stiefel | 0-3 | -0.5000 | -1.1500 | -0.6500 [" in text
+  # (b) and (c) on discovery seeds; (a) has no adamw run at 0.01, no row
+  assert text.count("bootstrap 95% CI") == 2
+  assert text == "\n".join(report_lib.claim_lines(
+      claims, ["adamw", "stiefel"], "val_loss_full", "loss", bootstrap=True))
+  plan["trend"] = None
+  text = "\n".join(report_lib.claim_lines(claims, ["adamw", "stiefel"],
+                                          "val_loss_full", "loss"))
+  assert "its high rate, and so this table, is not fixed yet" in text
+  assert "bootstrap" not in text
