@@ -24,6 +24,7 @@ which widths those are.
 
 from __future__ import annotations
 
+import math
 import pathlib
 from typing import Mapping, Optional, Sequence
 
@@ -82,6 +83,42 @@ def table_lines(tab: Mapping, widths: Sequence[int]) -> list:
   return harness.markdown_table(
       ["arm", "width", "sensitivity (common rates)", "sensitivity (own grid)",
        "best eta", "best loss"], "llrrlr", rows)
+
+
+def tenfold(cs: Mapping, arms: Sequence[str], widths: Sequence[int]) -> dict:
+  """The plan's descriptive table: {arm: (eta, {width: mean loss or None})},
+  eta ten times the arm's best at the smallest width (None where the arm
+  has no run there), the mean capped loss at eta at every width where the
+  curve has that point (None where it has not).
+
+  >>> pt = lambda m: dict(mean=m, losses=[m], seeds=[0], diverged=[])
+  >>> cs = {64: {"a": {3e-3: pt(1.0), 3e-2: pt(2.0)}}, 256: {"a": {3e-2: pt(3.0)}}}
+  >>> tenfold(cs, ["a"], [64, 256])
+  {'a': (0.03, {64: 2.0, 256: 3.0})}
+  """
+  small = cs.get(min(widths)) or {}
+  out = {}
+  for arm in arms:
+    if not small.get(arm):
+      out[arm] = (None, {})
+      continue
+    target = 10 * summary(small[arm])["best_eta"]
+    row = {}
+    for w in widths:
+      curve = (cs.get(w) or {}).get(arm) or {}
+      hit = [e for e in curve if math.isclose(e, target, rel_tol=1e-6)]
+      row[w] = curve[hit[0]]["mean"] if hit else None
+    out[arm] = (target, row)
+  return out
+
+
+def tenfold_lines(ten: Mapping, widths: Sequence[int]) -> list:
+  rows = [[arm, MISSING if eta is None else fmt_eta(eta)] + [
+      MISSING if by.get(w) is None else f"{by[w]:.4f}" for w in widths]
+          for arm, (eta, by) in ten.items()]
+  return harness.markdown_table(
+      ["arm", f"10 x its d {min(widths)} best eta"]
+      + [f"loss at d {w}" for w in widths], "ll" + "r" * len(widths), rows)
 
 
 def plot_sensitivity(tab: Mapping, widths: Sequence[int], key: str,
@@ -150,6 +187,11 @@ def report(out: pathlib.Path, cs: Mapping, arms: Sequence[str],
           if by[w] is None]
   if gaps:
     lines += ["Missing (no run): " + ", ".join(gaps) + ".", ""]
+  lines += [f"Descriptive, not a claim: each arm's mean capped loss (tuning"
+            f" seeds) at ten times its own best eta at d {min(widths)}, at"
+            f" every width (missing where that width's grid lacks the"
+            f" point):", ""] + tenfold_lines(tenfold(cs, arms, widths),
+                                             widths) + [""]
   plot_sensitivity(tab, widths, "common", "sensitivity over the common rates",
                    out / "width_sensitivity.png", log=False)
   plot_sensitivity(tab, widths, "best_eta", "best eta (tuning seeds)",

@@ -532,3 +532,14 @@ def test_trend_table_is_each_widths_gap_to_adamw_paired_by_seed():
                                           "val_loss_full", "loss"))
   assert "its high rate, and so this table, is not fixed yet" in text
   assert "bootstrap" not in text
+
+
+def test_committed_width_report_regenerates(tmp_path):
+  """The committed cross-width report (benchmarks/results/lm_width) comes
+  back byte for byte from the committed runs of every width."""
+  src = harness.REFERENCE_ROOT / "lm_width"
+  robustness.width_report(tmp_path)
+  files = sorted(src.glob("width*"))
+  assert files
+  for f in files:
+    assert (tmp_path / f.name).read_bytes() == f.read_bytes(), f.name
