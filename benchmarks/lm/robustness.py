@@ -22,6 +22,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from typing import Mapping, Optional
 
@@ -104,6 +105,8 @@ WIDTH_CLAIM_SEEDS = {"discovery": harness.DISCOVERY_SEEDS[:4],
 # Where each width's runs are committed (under benchmarks/results).
 WIDTH_FOLDERS = {64: "lm_width/d64", 128: "lm_robustness",
                  256: "lm_width/d256"}
+# Where the cross-width report is committed.
+WIDTH_HOME = harness.REFERENCE_ROOT / "lm_width"
 
 
 def width_heading(d: int) -> str:
@@ -289,7 +292,13 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
                       data_id: Optional[str] = None,
                       results_md: Optional[pathlib.Path] = None) -> dict:
   """`benchmarks.reports.robustness.report` of out's runs of the sweep
-  (its plots linked from results_md's folder in the section)."""
+  (its plots linked from results_md's folder in the section). A width
+  sweep's RESULTS.md section (with results_md) is the cross-width one:
+  `width_report` of the plan's folders, rewritten into
+  benchmarks/results/lm_width after this width's own report."""
+  if results_md is not None and sweep.plan == WIDTH_PLAN:
+    robustness_report(sweep, preset, out, data_id)
+    return width_report(WIDTH_HOME, results_md=results_md)
   done = sweep_lib.saved(out, sweep)
   data_id = study_data(done.values())
   cfg = sweep.base
@@ -310,25 +319,54 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
           f" stiefel's cap {sweep.cap_ratio:g} x its Q/K lr)."))
 
 
-def width_report(out: pathlib.Path,
-                 widths: Optional[Mapping] = None) -> dict:
+WIDTH_SECTION = "## Learning-rate robustness across width (language model)"
+
+
+def width_report(out: pathlib.Path, widths: Optional[Mapping] = None,
+                 results_md: Optional[pathlib.Path] = None) -> dict:
   """The cross-width report (`benchmarks.reports.width`) written to out:
   widths {d: (its sweep, its folder)}, default the plan's (SWEEPS
   width64/128/256 in WIDTH_FOLDERS under benchmarks/results); a folder
-  without runs is a width shown as missing."""
+  without runs is a width shown as missing. After the figures: the largest
+  width's claims tables ((a), (b), (c); once its sweep is complete) and a
+  link to each width's own report; its figures linked from results_md's
+  folder in the returned section."""
   widths = widths or {d: (SWEEPS[f"width{d}"], harness.REFERENCE_ROOT / f)
                       for d, f in WIDTH_FOLDERS.items()}
-  cs, left = {}, {}
+  cs, left, claims = {}, {}, {}
   for d, (sweep, folder) in sorted(widths.items()):
     done = sweep_lib.saved(folder, sweep)
     data_id = study_data(done.values())
     name = names(sweep, data_id)
     cs[d] = report_lib.curves(sweep_lib.rows(sweep, done, name), LOSS_KEY)
     left[d] = len(remaining(sweep, done, data_id))
+    claims[d] = (sweep, claim_runs(sweep, done, data_id))
   arms = list(dict.fromkeys(a for sw, _ in widths.values() for a in sw.arms))
+  top = max(widths)
+  sweep, runs = claims[top]
+  # FIGURES/: the report's folder as the RESULTS.md that shows the section
+  # sees it; each link is written as from WIDTH_HOME, so a report written
+  # elsewhere (a test's copy) has the same bytes
+  link = lambda folder: "FIGURES/" + pathlib.Path(os.path.relpath(
+      pathlib.Path(folder, "robustness.md").resolve(),
+      WIDTH_HOME.resolve())).as_posix()
+  more = ["Each width's own report (curves, logits, step records): "
+          + ", ".join(f"[d {d}]({link(folder)})"
+                      for d, (_, folder) in sorted(widths.items())) + ".",
+          "", "Regenerate (each width's report, then this one):"
+          " `python -m benchmarks lm --robustness --sweep width256"
+          " --report-only --out benchmarks/results/lm_width/d256"
+          " --results-md benchmarks/RESULTS.md`.",
+          "", f"The claims at the largest width, d {top}"
+          + (":" if runs else ": not run yet (its sweep is not complete)."),
+          ""]
+  if runs:
+    more += report_lib.claim_lines(runs, arms, LOSS_KEY,
+                                   "whole-split validation loss",
+                                   sweep.bootstrap)
   return width_lib.report(
-      out, cs, arms, sorted(widths), plan=WIDTH_PLAN, left=left,
-      heading="## Learning-rate robustness across width (language model)")
+      out, cs, arms, sorted(widths), plan=WIDTH_PLAN, left=left, more=more,
+      figures=sweep_lib.figures(out, results_md), heading=WIDTH_SECTION)
 
 
 BENCH = sweep_lib.Bench(sweeps=SWEEPS, folder="lm_robustness",

@@ -164,9 +164,13 @@ def plot_transfer(cs: Mapping, arms: Sequence[str], widths: Sequence[int],
 
 def report(out: pathlib.Path, cs: Mapping, arms: Sequence[str],
            widths: Sequence[int], *, heading: str, plan: str,
-           left: Mapping) -> dict:
+           left: Mapping, more: Sequence[str] = (),
+           figures: str = "") -> dict:
   """Writes out/width.md and its three figures from {width: curves}
-  (left: {width: planned runs not finished}); returns {markdown, table}."""
+  (left: {width: planned runs not finished}; more: lines after the
+  figures, e.g. the claims); returns {markdown, section, table, heading}:
+  section is the markdown with the figures' links prefixed by `figures`
+  (out as the RESULTS.md that holds it sees it)."""
   # A width still running (planned runs left) does not narrow the common
   # rates: its partial grid would shrink every width's sensitivity.
   rates = common_rates({w: c for w, c in cs.items() if not left.get(w)}, arms)
@@ -197,9 +201,11 @@ def report(out: pathlib.Path, cs: Mapping, arms: Sequence[str],
   plot_sensitivity(tab, widths, "best_eta", "best eta (tuning seeds)",
                    out / "width_best_eta.png", log=True)
   plot_transfer(cs, arms, widths, out / "width_transfer.png")
-  lines += ["![sensitivity against width](width_sensitivity.png)", "",
-            "![best eta against width](width_best_eta.png)", "",
-            "![loss against eta per width](width_transfer.png)", ""]
-  text = "\n".join(lines).rstrip("\n") + "\n"
-  harness.write_text(out / "width.md", text)
-  return dict(markdown=text, table=tab)
+  lines += ["![sensitivity against width](FIGURES/width_sensitivity.png)",
+            "", "![best eta against width](FIGURES/width_best_eta.png)", "",
+            "![loss against eta per width](FIGURES/width_transfer.png)", ""]
+  text = "\n".join(lines + list(more)).rstrip("\n") + "\n"
+  link = lambda prefix: text.replace("](FIGURES/", f"]({prefix}")
+  harness.write_text(out / "width.md", link(""))
+  return dict(markdown=link(""), section=link(figures), table=tab,
+              heading=heading)
