@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import time
 from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -258,19 +259,32 @@ class Claims:
     """The names of the runs being trained now."""
     return {p.name[:-len(".claim")] for p in self.dir.glob("*.claim")}
 
+  def live(self, name: str, expected_s: Optional[float]) -> bool:
+    """Whether the run's claim is younger than twice its expected time (a
+    claim left by a worker killed mid-run is older; without an expected
+    time, no claim counts as live)."""
+    try:
+      age = time.time() - self.path(name).stat().st_mtime
+    except FileNotFoundError:
+      return False
+    return expected_s is not None and age < 2 * expected_s
+
 
 def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
         describe: Callable, expected_s: Callable, desc: str,
         plan: Optional[Callable[[Mapping], list]] = None,
         worker: Optional[str] = None, time_budget: float = 0.0, log=print,
-        dry_run: bool = False) -> int:
+        dry_run: bool = False, poll_s: float = 30.0) -> int:
   """Runs the unfinished runs of plan(done) (default: `remaining`) in plan
   order, execute(task) training one and returning its record (saved under
   out/runs/ as name(task)); the finished runs (`harness.finished_runs`
   under this numerics version) are read anew from `out` before each, so
   that workers sharing it see each other's, and a worker trains only its
   share (`worker_share`), then the others' unstarted runs, last first
-  (`Claims`). Stops before a run expected (expected_s(task): seconds or
+  (`Claims`); while every planned run left is another worker's live claim
+  (`Claims.live`), it waits (polling every poll_s seconds), since what
+  those finish may plan more (the grid's extension, the downward point,
+  the claims). Stops before a run expected (expected_s(task): seconds or
   None) to end past time_budget seconds. Returns the number of runs
   trained (dry_run: logs how many of its share are left and their
   expected time, trains none)."""
@@ -298,17 +312,20 @@ def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
   def left() -> list:
     """The share's unclaimed runs, else the others' last first; the first
     of them claimed for this worker (the one run_tasks trains next)."""
-    todo = planned()
-    if claims is None:
-      return [t for t in todo if mine(name(t))]
-    held = claims.held()
-    free = [t for t in todo if name(t) not in held]
-    todo = [t for t in free if mine(name(t))] or [
-        t for t in reversed(free) if not mine(name(t))]
-    for i, t in enumerate(todo):
-      if claims.take(name(t)):
-        return todo[i:]
-    return []
+    while True:
+      planned_now = planned()
+      if claims is None:
+        return [t for t in planned_now if mine(name(t))]
+      held = claims.held()
+      free = [t for t in planned_now if name(t) not in held]
+      todo = [t for t in free if mine(name(t))] or [
+          t for t in reversed(free) if not mine(name(t))]
+      for i, t in enumerate(todo):
+        if claims.take(name(t)):
+          return todo[i:]
+      if not any(claims.live(name(t), expected_s(t)) for t in planned_now):
+        return []
+      time.sleep(poll_s)
 
   def one(task) -> dict:
     try:

@@ -8,6 +8,7 @@ trust region; the grid extends only while AdamW finishes its top point."""
 
 import dataclasses
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -543,3 +544,53 @@ def test_committed_width_report_regenerates(tmp_path):
   assert files
   for f in files:
     assert (tmp_path / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_a_worker_waits_for_the_others_runs_that_may_plan_more(
+    tmp_path, monkeypatch):
+  """While every planned run left is another worker's live claim, a worker
+  waits instead of stopping: once that run is saved the plan may grow (the
+  downward point, the claims), and the waiting worker trains what it
+  opens. A claim older than twice its run's expected time (its worker
+  killed) is not waited for."""
+  from benchmarks import harness, sweep as sweep_lib
+  s = sweep_lib.Sweep(arms=("adamw",), grid=(1e-3,), extension=(),
+                      ratios={}, seeds=(100,))
+  name = lambda t: f"{t[0]}_{t[1]:g}_{t[2]}"
+  store, trained, waits = harness.RunStore(tmp_path), [], []
+  busy, opened = ("adamw", 1e-3, 100), ("adamw", 3e-4, 100)
+  rec = lambda t: dict(name=name(t), final={"loss": 1.0}, data="d",
+                       numerics_version=harness.numerics_version(),
+                       config={"t": list(t)},
+                       identity=harness.run_identity({"t": list(t)}, "d"))
+  other = sweep_lib.Claims(store.dir, "1/2")
+
+  def sleep(seconds):                 # the other worker, meanwhile
+    waits.append(seconds)
+    if len(waits) == 2:               # saves its run
+      store.save(name(busy), rec(busy))
+      other.release(name(busy))
+
+  monkeypatch.setattr(sweep_lib.time, "sleep", sleep)
+  plan = lambda done: [t for t in ([busy, opened] if name(busy) in done
+                                   else [busy]) if name(t) not in done]
+
+  def execute(task):
+    store.save(name(task), rec(task))
+    trained.append(task)
+    return rec(task)
+
+  run = lambda: sweep_lib.run(
+      s, tmp_path, name, execute, describe=lambda t, r: "",
+      expected_s=lambda t: 60.0, desc="x", worker="0/2", plan=plan,
+      log=lambda *a: None, poll_s=5.0)
+  other.take(name(busy))
+  assert (run(), trained, waits) == (1, [opened], [5.0, 5.0])
+  # a stale claim (older than 2 x 60 s) ends the wait at once
+  store.dir.joinpath(f"{name(busy)}.json").unlink()
+  store.dir.joinpath(f"{name(opened)}.json").unlink()
+  trained.clear(), waits.clear()
+  other.take(name(busy))
+  os.utime(other.path(name(busy)), (0, 0))
+  waits.extend([0, 0])                # never saved now
+  assert (run(), trained, waits) == (0, [], [0, 0])
