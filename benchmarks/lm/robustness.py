@@ -339,11 +339,13 @@ def width_report(out: pathlib.Path, widths: Optional[Mapping] = None,
     data_id = study_data(done.values())
     name = names(sweep, data_id)
     cs[d] = report_lib.curves(sweep_lib.rows(sweep, done, name), LOSS_KEY)
-    left[d] = len(remaining(sweep, done, data_id))
-    claims[d] = (sweep, claim_runs(sweep, done, data_id))
+    # the sweep's own runs: its claims' runs do not change its curves
+    left[d] = len(sweep_lib.remaining(sweep, done, name))
+    claims[d] = (sweep, claim_runs(sweep, done, data_id),
+                 len(remaining(sweep, done, data_id)) if not left[d] else 0)
   arms = list(dict.fromkeys(a for sw, _ in widths.values() for a in sw.arms))
   top = max(widths)
-  sweep, runs = claims[top]
+  sweep, runs, claims_left = claims[top]
   # FIGURES/: the report's folder as the RESULTS.md that shows the section
   # sees it; each link is written as from WIDTH_HOME, so a report written
   # elsewhere (a test's copy) has the same bytes
@@ -358,8 +360,8 @@ def width_report(out: pathlib.Path, widths: Optional[Mapping] = None,
           " --report-only --out benchmarks/results/lm_width/d256"
           " --results-md benchmarks/RESULTS.md`.",
           "", f"The claims at the largest width, d {top}"
-          + (":" if runs else ": not run yet (its sweep is not complete)."),
-          ""]
+          + (f" ({claims_left} of their planned runs left):" if runs else
+             ": not run yet (its sweep is not complete)."), ""]
   if runs:
     more += report_lib.claim_lines(runs, arms, LOSS_KEY,
                                    "whole-split validation loss",

@@ -167,11 +167,11 @@ def report(out: pathlib.Path, cs: Mapping, arms: Sequence[str],
            left: Mapping, more: Sequence[str] = (),
            figures: str = "") -> dict:
   """Writes out/width.md and its three figures from {width: curves}
-  (left: {width: planned runs not finished}; more: lines after the
+  (left: {width: planned sweep runs not finished}; more: lines after the
   figures, e.g. the claims); returns {markdown, section, table, heading}:
   section is the markdown with the figures' links prefixed by `figures`
   (out as the RESULTS.md that holds it sees it)."""
-  # A width still running (planned runs left) does not narrow the common
+  # A width still running (sweep runs left) does not narrow the common
   # rates: its partial grid would shrink every width's sensitivity.
   rates = common_rates({w: c for w, c in cs.items() if not left.get(w)}, arms)
   tab = table(cs, arms, widths, rates)
@@ -180,12 +180,13 @@ def report(out: pathlib.Path, cs: Mapping, arms: Sequence[str],
   lines = [heading, "", f"Plan (fixed before any run): `{plan}`. Widths"
            f" with runs: {', '.join(f'd {w}' for w in have) or 'none'}"
            + (f"; without any: {', '.join(f'd {w}' for w in missing)}"
-              if missing else "") + "; planned runs left: "
+              if missing else "")
+           + "; planned sweep runs left (a claim's run is not one): "
            + ", ".join(f"d {w} {left.get(w, MISSING)}" for w in widths)
            + ".", "",
            "Rates common to every width with runs, for every arm: "
            + (", ".join(fmt_eta(e) for e in rates) or "none") + ". A width"
-           " with planned runs left does not narrow them.", ""]
+           " with sweep runs left does not narrow them.", ""]
   lines += table_lines(tab, widths) + [""]
   gaps = [f"{a} at d {w}" for a, by in tab.items() for w in widths
           if by[w] is None]

@@ -482,7 +482,7 @@ def test_width_report_with_a_width_still_running(tmp_path):
         16: {"a": {0.1: pt(2.2)}}}
   rep = width_lib.report(tmp_path, cs, ["a", "b"], [8, 16], heading="## W",
                          plan="plan.md", left={8: 0, 16: 3})
-  assert "for every arm: 0.01, 0.1. A width with planned runs left" in (
+  assert "for every arm: 0.01, 0.1. A width with sweep runs left" in (
       rep["markdown"])
   assert rep["table"]["b"][16] is None
   assert rep["table"]["a"][16]["common"] is None
