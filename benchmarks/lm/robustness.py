@@ -333,7 +333,7 @@ def width_report(out: pathlib.Path, widths: Optional[Mapping] = None,
   folder in the returned section."""
   widths = widths or {d: (SWEEPS[f"width{d}"], harness.REFERENCE_ROOT / f)
                       for d, f in WIDTH_FOLDERS.items()}
-  cs, left, claims = {}, {}, {}
+  cs, left, read = {}, {}, {}
   for d, (sweep, folder) in sorted(widths.items()):
     done = sweep_lib.saved(folder, sweep)
     data_id = study_data(done.values())
@@ -341,11 +341,12 @@ def width_report(out: pathlib.Path, widths: Optional[Mapping] = None,
     cs[d] = report_lib.curves(sweep_lib.rows(sweep, done, name), LOSS_KEY)
     # the sweep's own runs: its claims' runs do not change its curves
     left[d] = len(sweep_lib.remaining(sweep, done, name))
-    claims[d] = (sweep, claim_runs(sweep, done, data_id),
-                 len(remaining(sweep, done, data_id)) if not left[d] else 0)
+    read[d] = (sweep, done, data_id)
   arms = list(dict.fromkeys(a for sw, _ in widths.values() for a in sw.arms))
   top = max(widths)
-  sweep, runs, claims_left = claims[top]
+  sweep, done, data_id = read[top]
+  runs = claim_runs(sweep, done, data_id)   # {} until its sweep is complete
+  claims_left = len(remaining(sweep, done, data_id))
   # FIGURES/: the report's folder as the RESULTS.md that shows the section
   # sees it; each link is written as from WIDTH_HOME, so a report written
   # elsewhere (a test's copy) has the same bytes
