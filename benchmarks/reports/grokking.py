@@ -723,7 +723,8 @@ def pilot_table(arms: Sequence[str], summaries: dict) -> list:
 def iso_ratios(arms: Sequence[str], summaries: dict) -> list:
   """Per pair of arms (`benchmarks.study.comparison_pairs`, reference
   arms[0]): baseline / treatment of the Q/K isometry error, geometric
-  mean over the seeds of each run's geometric mean and of its maximum."""
+  mean over the seeds of each run's geometric mean and of its maximum,
+  and per seed both arms ran, the ratio of the runs' geometric means."""
   geo = lambda arm, key: float(np.exp(np.mean(np.log(
       [r[key] for r in summaries[arm].values()]))))
   method = next((a for a in ("stiefel", "stiefel_targeted") if a in arms),
@@ -731,9 +732,13 @@ def iso_ratios(arms: Sequence[str], summaries: dict) -> list:
   out = []
   for t, b in study_lib.comparison_pairs(arms, arms[0], method):
     if summaries.get(t) and summaries.get(b):
+      seeds = sorted(set(summaries[t]) & set(summaries[b]))
       out.append(dict(treatment=t, baseline=b,
                       geomean=geo(b, "iso_geomean") / geo(t, "iso_geomean"),
-                      max=geo(b, "iso_max") / geo(t, "iso_max")))
+                      max=geo(b, "iso_max") / geo(t, "iso_max"),
+                      per_seed={str(s): summaries[b][s]["iso_geomean"]
+                                / summaries[t][s]["iso_geomean"]
+                                for s in seeds}))
   return out
 
 
@@ -822,10 +827,12 @@ def paired_markdown(cfg: Config, study: Study, res: dict, meta: dict,
   found = [f"{f['endpoint']}: " + "; ".join(
       harness.finding_text(r, "", 4) for r in f["rows"])
       for f in res["findings"] if f["rows"]]
-  parts += ["Findings (confirmed): " + ("; ".join(found) if found else
-                                        "none" + ("" if res["complete"] else
-                                                  " (confirmation incomplete)"))
-            + ".", ""]
+  pilot = all(harness.seed_block(s) == "discovery" for s in study.seeds)
+  parts += ["Findings (confirmed): " + (
+      "; ".join(found) if found else "none" + (
+          ": no confirmation seeds in this study (a pilot: its numbers are"
+          " descriptive, not findings)" if pilot else "" if res["complete"]
+          else " (confirmation incomplete)")) + ".", ""]
   parts += ["Per run: slingshot cycles (`count_cycles`: largest batch loss"
             f" > {res['rule']['ratio']:g}x its median over the"
             f" {res['rule']['window']} records before and > "
@@ -843,7 +850,9 @@ def paired_markdown(cfg: Config, study: Study, res: dict, meta: dict,
   if res["iso_ratios"]:
     parts += ["", "Q/K isometry error, baseline / treatment: " + "; ".join(
         f"{r['baseline']} / {r['treatment']} {r['geomean']:.3g} (geometric"
-        f" means), {r['max']:.3g} (maxima)" for r in res["iso_ratios"]) + "."]
+        f" means), {r['max']:.3g} (maxima); per seed " + ", ".join(
+            f"{s}: {x:.3g}" for s, x in r["per_seed"].items())
+        for r in res["iso_ratios"]) + "."]
   if notes:
     parts += ["", notes]
   parts += ["", provenance_text(meta)]

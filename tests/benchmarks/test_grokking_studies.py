@@ -206,6 +206,12 @@ def test_slingshot_pilot_smoke(tmp_path):
   res = json.loads((out / "results.json").read_text())
   assert list(res["summaries"]) == ["adam", "stiefel_nodecay",
                                     "stiefel_targeted", "adamw_targeted"]
+  # the plan's per-seed ratio, unconstrained ablation over the Stiefel arm
+  ratio = next(r for r in res["iso_ratios"] if r["baseline"] ==
+               "adamw_targeted" and r["treatment"] == "stiefel_targeted")
+  assert list(ratio["per_seed"]) == ["0"] and ratio["per_seed"]["0"] > 1.0
+  # seeds 0-2 only: a pilot, so no "confirmation incomplete" claim
+  assert "no confirmation seeds in this study" in (out / "table.md").read_text()
 
 
 @pytest.mark.parametrize("module", ["benchmarks.grokking.config",
