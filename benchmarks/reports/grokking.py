@@ -773,8 +773,8 @@ def plot_arms(runs: dict, summaries: dict, path: Path, title: str) -> None:
   for ax, label in zip(axes[:, 0], (
       "accuracy (val solid, train dotted)", "last-layer (unembedding) norm",
       "Q/K isometry error (mean frame)",
-      "largest batch loss per record (cycles dashed)")):
-    ax.set_ylabel(label)
+      "largest batch loss per record\n(counted cycles dashed)")):
+    ax.set_ylabel(label, fontsize=9)
   fig.suptitle(title)
   harness.save_figure(fig, path, dpi=90)
 
