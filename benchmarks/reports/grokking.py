@@ -662,6 +662,13 @@ def pilot_summary(run: dict, target: float, steps: int,
       final_last_norm=float(last_norm_curve(h)[-1]), wall_s=run["wall_s"])
 
 
+def method_arm(arms: Sequence[str]) -> str:
+  """The study's Stiefel arm, which `benchmarks.study.comparison_pairs`
+  also sets against every other arm (else the first after the reference)."""
+  return next((a for a in ("stiefel", "stiefel_targeted") if a in arms),
+              arms[min(1, len(arms) - 1)])
+
+
 def endpoint_tables(arms: Sequence[str], summaries: dict, block: str,
                     pct: int) -> list:
   """The paired tables of one seed block: per endpoint (`ENDPOINTS`) the
@@ -672,8 +679,7 @@ def endpoint_tables(arms: Sequence[str], summaries: dict, block: str,
   a two-arm study's three endpoint rows are adjusted together. The
   minimum after the target pairs only the seeds where both arms reached
   it."""
-  method = next((a for a in ("stiefel", "stiefel_targeted") if a in arms),
-                arms[min(1, len(arms) - 1)])
+  method = method_arm(arms)
   pairs = [dict(treatment=t, baseline=b) for t, b in
            study_lib.comparison_pairs(arms, arms[0], method)]
   out = []
@@ -727,8 +733,7 @@ def iso_ratios(arms: Sequence[str], summaries: dict) -> list:
   and per seed both arms ran, the ratio of the runs' geometric means."""
   geo = lambda arm, key: float(np.exp(np.mean(np.log(
       [r[key] for r in summaries[arm].values()]))))
-  method = next((a for a in ("stiefel", "stiefel_targeted") if a in arms),
-                arms[min(1, len(arms) - 1)])
+  method = method_arm(arms)
   out = []
   for t, b in study_lib.comparison_pairs(arms, arms[0], method):
     if summaries.get(t) and summaries.get(b):
@@ -827,12 +832,13 @@ def paired_markdown(cfg: Config, study: Study, res: dict, meta: dict,
   found = [f"{f['endpoint']}: " + "; ".join(
       harness.finding_text(r, "", 4) for r in f["rows"])
       for f in res["findings"] if f["rows"]]
-  pilot = all(harness.seed_block(s) == "discovery" for s in study.seeds)
-  parts += ["Findings (confirmed): " + (
-      "; ".join(found) if found else "none" + (
-          ": no confirmation seeds in this study (a pilot: its numbers are"
-          " descriptive, not findings)" if pilot else "" if res["complete"]
-          else " (confirmation incomplete)")) + ".", ""]
+  if all(harness.seed_block(s) == "discovery" for s in study.seeds):
+    none = ("none: no confirmation seeds in this study (a pilot: its numbers"
+            " are descriptive, not findings)")
+  else:
+    none = "none" + ("" if res["complete"] else " (confirmation incomplete)")
+  parts += ["Findings (confirmed): " + ("; ".join(found) if found else none)
+            + ".", ""]
   parts += ["Per run: slingshot cycles (`count_cycles`: largest batch loss"
             f" > {res['rule']['ratio']:g}x its median over the"
             f" {res['rule']['window']} records before and > "
