@@ -83,7 +83,8 @@ SLINGSHOT_ARMS = ("adam", "stiefel_nodecay", "stiefel_targeted",
 # --study runs the one of the preset (frac0.5, frac0.3 and slingshot are
 # paired studies with or without it). Step budgets: train fraction 0.5
 # groks in about 500 steps (0.1.0 runs), 0.3 in thousands or never within
-# 10,000; the slingshot pilot's length and seeds are the plan's to fix.
+# 10,000; the slingshot pilot's 100,000 steps and 3 seeds are the plan's
+# (the budget's limit).
 PAIRED = {
     "frac0.5": PairedStudy(steps=3000, seeds=FIVE_AND_FIVE),
     "frac0.3": PairedStudy(steps=10000, seeds=FIVE_AND_FIVE),

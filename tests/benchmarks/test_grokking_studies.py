@@ -81,10 +81,11 @@ def test_committed_reports_regenerate(tmp_path):
       assert out.joinpath(name).read_text() == want, (folder, name)
 
 
-@pytest.mark.parametrize("folder", ["frac0.5", "frac0.3"])
+@pytest.mark.parametrize("folder", ["frac0.5", "frac0.3", "slingshot"])
 def test_committed_paired_studies_regenerate(tmp_path, folder):
-  """The two five-seed studies' table.md and results.json come back byte
-  for byte from their runs (the regenerate line names the copy)."""
+  """The two five-seed studies' and the slingshot pilot's table.md and
+  results.json come back byte for byte from their runs (the regenerate
+  line names the copy)."""
   src, out = REFERENCE / folder, tmp_path / folder
   shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.png", "*.npz"))
   report_lib.paired_report(out, *grokking.load_study(out), plots=False)
