@@ -43,7 +43,15 @@ def check_choice(name: str, arg: str, value: Any, choices: Sequence) -> None:
 
 
 def check_count(name: str, arg: str, value: Any) -> None:
-  """Raises ValueError unless `value` is an integer >= 1."""
+  """Raises ValueError unless `value` is an integer >= 1.
+
+  A traced value passes: `optax.inject_hyperparams` injects an integer
+  hyperparameter (a step count) as an array, checked here where it is
+  concrete (the wrapped transform is built with its values at init) and
+  traced under jit at update.
+  """
+  if isinstance(value, jax.core.Tracer):
+    return
   if isinstance(value, bool) or int(value) != value or value < 1:
     raise ValueError(f"{name}: {arg} must be an integer >= 1; got {value!r}.")
 
@@ -248,9 +256,87 @@ def _frame_stats(w):
 
 
 def start_tolerance(dtype, r: int) -> float:
-  """Isometry error accepted for a starting frame: 1e-4, or the dtype's
-  rounding (4 sqrt(r) eps) for bf16/f16 frames."""
+  """The isometry error ||W^T W - I||_F accepted for a frame of `dtype`
+  with r columns: the one tolerance of the start check (`check_start`,
+  hence `init`) and of `check_frames`, so that a frame one accepts the
+  other accepts.
+
+  max(1e-4, 4 sqrt(r) eps), eps the dtype's machine epsilon. The bound:
+  an orthonormal frame rounded once to its dtype is W + E with
+  |E_ij| <= (eps / 2) |W_ij|, so ||E||_F <= (eps / 2) sqrt(r) and
+  ||W^T W - I||_F = ||W^T E + E^T W + E^T E||_F <= 2 ||E||_F + ||E||_F^2
+  ~ sqrt(r) eps. The factor 4 covers a frame rounded twice (a float32
+  polar factor cast to the dtype, then an update added in the dtype by
+  `optax.apply_updates`: 2 sqrt(r) eps) with a margin of 2. bf16 (eps =
+  2^-7), r = 16: 0.125; float16, r = 16: 1.6e-2. float32 and float64 get
+  the 1e-4 floor: a start a little off the manifold is pulled back by the
+  first retraction, which forms its polar factor from W + xi itself.
+  """
   return max(1e-4, 4.0 * np.sqrt(r) * float(jnp.finfo(dtype).eps))
+
+
+def _raise_start(name, r, tol, orthonormal_start, fix, hint, traced,
+                 deficient, k, lo, hi, bad, j, iso) -> None:
+  """The start check's decision, from its summary: `deficient` (a frame is
+  rank-deficient; the first is frame `k`, with W^T W's smallest and largest
+  eigenvalues `lo`, `hi`), `bad` (a frame's isometry error exceeds `tol`;
+  the worst is frame `j`, error `iso`). Frame indices are tuples."""
+  traced_note = (
+      " (Found by the start check of a traced init, e.g."
+      " jax.jit(tx.init): it runs once, on the device, when that init runs;"
+      " no update step pays for it.)" if traced else "")
+  if deficient:
+    raise ValueError(
+        f"{name}: frame {k} is rank-deficient (smallest singular value"
+        f" {np.sqrt(max(float(lo), 0.0)):.3g}, largest"
+        f" {np.sqrt(max(float(hi), 0.0)):.3g}), so no orthonormal frame"
+        " is near it. Reinitialise it (e.g. stiefel_optax.random_frames)"
+        f" before training.{hint}{traced_note}")
+  if orthonormal_start == "check" and bad:
+    raise ValueError(
+        f"{name}: not orthonormal (isometry error ||W^T W - I||_F ="
+        f" {float(iso):.3g} at frame {j}, tolerance {tol:.3g}). {fix}"
+        "Or pass orthonormal_start='project' to retract the first step onto"
+        " the manifold (this changes the model's function at that"
+        f" step).{hint}{traced_note}")
+
+
+def _check_start_traced(name, frames, orthonormal_start, fix, hint) -> None:
+  """The start check of frames traced by an init under `jax.jit` (or any
+  trace that runs): summarised on the device and decided by a host
+  callback when the traced init runs, raising there.
+
+  The summary (any rank-deficient frame, the first one, its eigenvalues;
+  any frame off the manifold, the worst one, its error) is a handful of
+  scalars, reduced over every frame (all shards): each is replicated, so
+  with `partitioned=True` the callback runs on every device of every
+  process with the same bits, and every process raises alike (a callback
+  on one device, jax.debug.callback's default under automatic sharding,
+  would fail one process while the others wait in their next collective).
+  Under `jax.eval_shape` nothing runs: an abstract init checks nothing.
+  The error reaches the caller as a `JaxRuntimeError` whose message ends
+  with this ValueError's, when the init's result is computed (at once on
+  CPU; with asynchronous dispatch, at the latest when its state is used).
+  """
+  iso, lo, hi = _frame_stats(frames)
+  r = frames.shape[-1]
+  batch = frames.shape[:-2]
+  eps = float(jnp.finfo(geometry.compute_dtype(frames.dtype)).eps)
+  tol = start_tolerance(frames.dtype, r)
+  iso, lo, hi = iso.ravel(), lo.ravel(), hi.ravel()
+  deficient = lo <= r * eps * hi
+  k = jnp.argmax(deficient)                      # the first one
+  bad = ~(iso <= tol)                            # NaN is off the manifold
+  j = jnp.argmax(jnp.where(jnp.isnan(iso), jnp.inf, iso))   # the worst
+
+  def decide(any_deficient, k, lo_k, hi_k, any_bad, j, iso_j):
+    index = lambda i: tuple(int(a) for a in np.unravel_index(int(i), batch))
+    _raise_start(name, r, tol, orthonormal_start, fix, hint, True,
+                 bool(any_deficient), index(k), lo_k, hi_k,
+                 bool(any_bad), index(j), iso_j)
+
+  jax.debug.callback(decide, deficient.any(), k, lo[k], hi[k], bad.any(), j,
+                     iso[j], partitioned=True)
 
 
 def check_start(name: str, frames, orthonormal_start: str = "check",
@@ -262,13 +348,21 @@ def check_start(name: str, frames, orthonormal_start: str = "check",
 
   The one start check of the library: `frame_partition`'s init runs it on
   each selected kernel's frame view, a transform's init on each leaf
-  (`check_start_leaves`). Skipped for traced frames (init under jit): the
-  retraction then keeps them finite and lands them on the manifold. Frames
-  that span several processes (a global array on a cluster) are measured
-  inside jit and read whole on every process (`host_value`), so every
-  process raises the same error or none. `fix` ends the not-orthonormal
-  message (how to orthonormalize), `hint` both messages.
+  (`check_start_leaves`). Concrete frames are checked at once. Traced
+  frames (an init under `jax.jit`, as the sharded recipes' `jax.jit(tx.init,
+  out_shardings=...)`) are checked when that traced init runs, on the
+  device, by one host callback that raises the same error
+  (`_check_start_traced`): a forgotten orthonormalization is never silent,
+  and no update step pays for the check. Abstract frames
+  (`jax.ShapeDtypeStruct`, `jax.eval_shape`) have no values to check.
+  Frames that span several processes (a global array on a cluster) are
+  measured inside jit and read whole on every process (`host_value`), so
+  every process raises the same error or none. `fix` ends the
+  not-orthonormal message (how to orthonormalize), `hint` both messages.
   """
+  if isinstance(frames, jax.core.Tracer):
+    _check_start_traced(name, frames, orthonormal_start, fix, hint)
+    return
   if not is_concrete(frames):
     return
   # Read whole on every process (`host_value`): one decision everywhere.
@@ -276,22 +370,15 @@ def check_start(name: str, frames, orthonormal_start: str = "check",
   r = frames.shape[-1]
   eps = float(jnp.finfo(geometry.compute_dtype(frames.dtype)).eps)
   deficient = lo <= r * eps * hi
-  if deficient.any():
-    idx = tuple(int(i) for i in np.argwhere(deficient)[0])
-    raise ValueError(
-        f"{name}: frame {idx} is rank-deficient (smallest singular value"
-        f" {np.sqrt(max(float(lo[idx]), 0.0)):.3g}, largest"
-        f" {np.sqrt(max(float(hi[idx]), 0.0)):.3g}), so no orthonormal frame"
-        " is near it. Reinitialise it (e.g. stiefel_optax.random_frames)"
-        f" before training.{hint}")
-  tol = start_tolerance(frames.dtype, r)
-  if orthonormal_start == "check" and not iso.max() <= tol:
-    idx = tuple(int(i) for i in np.unravel_index(iso.argmax(), iso.shape))
-    raise ValueError(
-        f"{name}: not orthonormal (isometry error ||W^T W - I||_F ="
-        f" {float(iso.max()):.3g} at frame {idx}, tolerance {tol:.3g}). {fix}"
-        "Or pass orthonormal_start='project' to retract the first step onto"
-        f" the manifold (this changes the model's function at that step).{hint}")
+  k = (tuple(int(i) for i in np.argwhere(deficient)[0])
+       if deficient.any() else None)
+  j = tuple(int(i) for i in np.unravel_index(iso.argmax(), iso.shape))
+  _raise_start(name, r, start_tolerance(frames.dtype, r), orthonormal_start,
+               fix, hint, False, deficient.any(), k,
+               lo[k] if k is not None else 0.0,
+               hi[k] if k is not None else 0.0,
+               not iso.max() <= start_tolerance(frames.dtype, r), j,
+               iso.max())
 
 
 _START_CHECKED = contextvars.ContextVar("stiefel_optax_start_checked",

@@ -154,6 +154,9 @@ def stack(frame_tree, plan) -> tuple:
   """One array (k, *view shape) per group of `plan`; a group of one is the
   leaf's view itself (no copy, no new axis)."""
   leaves = jax.tree.leaves(frame_tree, is_leaf=_masked)
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+    # Abstract views (an init on ShapeDtypeStructs): the stacks' shapes.
+    return jax.eval_shape(lambda t: stack(t, plan), frame_tree)
   return tuple(leaves[g[0]] if len(g) == 1 else
                jnp.stack([leaves[i] for i in g]) for g in plan)
 

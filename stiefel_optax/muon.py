@@ -57,6 +57,7 @@ def msign_coefficients(num_steps: int = DEFAULT_MSIGN_STEPS):
   steps (fewer if num_steps < 7), then the Newton–Schulz quintic."""
   if int(num_steps) != num_steps or num_steps < 1:
     raise ValueError(f"num_steps must be an integer >= 1; got {num_steps}.")
+  num_steps = int(num_steps)   # a concrete array (injected) counts as well
   head = POLAR_EXPRESS_COEFFICIENTS[:num_steps]
   return head + (NEWTON_SCHULZ_QUINTIC,) * (num_steps - len(head))
 
@@ -82,6 +83,25 @@ def _msign_eigh(x: jax.Array) -> jax.Array:
   return x @ ((v * inv_root[..., None, :]) @ jnp.swapaxes(v, -1, -2))
 
 
+def _msign_loop(y: jax.Array, num_steps, eye: jax.Array) -> jax.Array:
+  """`msign`'s iteration for a traced step count (`optax.inject_hyperparams`
+  injects an integer as an array): the same steps, the k-th with the
+  (a, b, c) of row min(k, 7) of the schedule (the seven Polar Express
+  steps, then the quintic), in a `lax.fori_loop` of `num_steps` trips.
+  The same arithmetic as the unrolled loop, so equal within rounding (XLA
+  may fuse the unrolled steps differently)."""
+  table = jnp.asarray(POLAR_EXPRESS_COEFFICIENTS + (NEWTON_SCHULZ_QUINTIC,),
+                      y.dtype)
+  last = len(POLAR_EXPRESS_COEFFICIENTS)
+
+  def step(k, y):
+    a, b, c = table[jnp.minimum(k, last)]
+    s = geometry.gram(y)
+    return y @ (a * eye + s @ (b * eye + c * s))
+
+  return jax.lax.fori_loop(0, num_steps, step, y)
+
+
 def msign(x: jax.Array, num_steps: int = DEFAULT_MSIGN_STEPS, *,
           method: str = "polar_express") -> jax.Array:
   """The orthogonal polar factor U V^T of x = U S V^T, per frame.
@@ -105,7 +125,8 @@ def msign(x: jax.Array, num_steps: int = DEFAULT_MSIGN_STEPS, *,
     x: matrices, shape (..., d, r) with d >= r.
     num_steps: polynomial steps (method="polar_express"); below 8 the result
       is an approximation with singular values in about [0.7, 1.2], not the
-      polar factor.
+      polar factor. May be traced (an integer `optax.inject_hyperparams`
+      injects): then the steps run in a `lax.fori_loop`.
     method: "polar_express" (default, matmul only) or "eigh" (exact, by an
       r x r eigendecomposition of x^T x; eigenvalues below r eps lambda_max
       count as zero).
@@ -131,12 +152,15 @@ def msign(x: jax.Array, num_steps: int = DEFAULT_MSIGN_STEPS, *,
   geometry.check_frame_shape(x.shape, "x")
   if method not in MSIGN_METHODS:
     raise ValueError(f"method must be one of {MSIGN_METHODS}; got {method!r}.")
-  coefficients = msign_coefficients(num_steps)
+  traced = isinstance(num_steps, jax.core.Tracer)
+  coefficients = None if traced else msign_coefficients(num_steps)
   cdtype = geometry.compute_dtype(x.dtype)
   y = _normalize(x.astype(cdtype))
   if method == "eigh":
     return _msign_eigh(y).astype(x.dtype)
   eye = jnp.eye(x.shape[-1], dtype=cdtype)
+  if traced:
+    return _msign_loop(y, num_steps, eye).astype(x.dtype)
   for a, b, c in coefficients:
     s = geometry.gram(y)
     y = y @ (a * eye + s @ (b * eye + c * s))
@@ -283,7 +307,7 @@ def scale_by_tangent_msign(b1: float = 0.95, nesterov: bool = True, *,
 
 def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
                  b1: float = 0.95, *, nesterov: bool = True,
-                 msign_steps: int = DEFAULT_MSIGN_STEPS,
+                 msign_steps: Optional[int] = None,
                  msign_method: str = "polar_express",
                  max_step_norm: Optional[float] = None,
                  retraction: str = "newton_schulz",
@@ -327,7 +351,13 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
     learning_rate: a float or an optax schedule (the spectral step size).
     b1: momentum decay (Muon's default).
     nesterov: use the Nesterov look-ahead (Muon's default).
-    msign_steps: `num_steps` of `msign` (10 matmul-only steps by default).
+    msign_steps: `num_steps` of `msign`; None (default):
+      DEFAULT_MSIGN_STEPS, 10 matmul-only steps. None is not a number, so
+      `optax.inject_hyperparams(stiefel_muon)(learning_rate)` leaves it
+      static (no `static_args` needed: the same steps, bit for bit, as
+      `stiefel_muon(learning_rate)`); an int passed through
+      `inject_hyperparams` is injected and traced under jit, and `msign`
+      then loops over it (`lax.fori_loop`, equal within rounding).
     msign_method: `method` of `msign`.
     max_step_norm: an optional trust-region radius (Frobenius, per frame);
       may be injected (traced).
@@ -374,6 +404,8 @@ def stiefel_muon(learning_rate: optax.ScalarOrSchedule,
   # optax.chain(project, msign, lr, cap, retract), computed in one pass
   # (`one_pass_chain`), with that chain's state; one_pass_chain checks
   # max_step_norm and retraction, naming stiefel_muon.
+  if msign_steps is None:
+    msign_steps = DEFAULT_MSIGN_STEPS
   checks.check_count("stiefel_muon", "msign_steps", msign_steps)
   checks.check_choice("stiefel_muon", "msign_method", msign_method,
                       MSIGN_METHODS)

@@ -51,30 +51,84 @@ def _inner_params(f_params, stack_frames):
                                                                     limit))
 
 
+def _node(x) -> str:
+  """A short description of one pytree node or leaf, for messages."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array {tuple(x.shape)} {x.dtype}"
+  if x is None:
+    return "None"
+  name = type(x).__name__
+  return f"{name}()" if jax.tree.structure(x).num_leaves == 0 else name
+
+
+def first_difference(have, want, path: str = ""):
+  """(path, what `have` holds there, what `want` holds there) at the first
+  place, in flattening order, where the two trees' structures differ; None
+  when they are equal.
+
+  Compares node by node (type and auxiliary data, e.g. a dict's keys or a
+  Flax NNX Variable's metadata, then the children), so that two trees with
+  the same number of leaves but different nodes (a `MaskedNode` where the
+  other has a Variable around one) are told apart and located.
+  """
+  if jax.tree.structure(have) == jax.tree.structure(want):
+    return None
+  one = lambda t: jax.tree_util.tree_flatten_with_path(
+      t, is_leaf=lambda x: x is not t)
+  kids_h, def_h = one(have)
+  kids_w, def_w = one(want)
+  leaf_h = jax.tree.structure(have).num_nodes == 1 and def_h.num_leaves == 1
+  leaf_w = jax.tree.structure(want).num_nodes == 1 and def_w.num_leaves == 1
+  keys_h, keys_w = [k for k, _ in kids_h], [k for k, _ in kids_w]
+  if not (leaf_h or leaf_w) and type(have) is type(want) and keys_h != keys_w:
+    # The same kind of node with other entries (a dict of other keys):
+    # name the first entry that one has and the other lacks.
+    for k, x in kids_w:
+      if k not in keys_h:
+        return path + jax.tree_util.keystr(k), "nothing", _node(x)
+    for k, x in kids_h:
+      if k not in keys_w:
+        return path + jax.tree_util.keystr(k), _node(x), "nothing"
+  if leaf_h or leaf_w or def_h != def_w or keys_h != keys_w:
+    got, want_ = _node(have), _node(want)
+    if got == want_:   # the same type with other auxiliary data
+      got, want_ = (f"{got} {def_h.node_data()[1]!r}",
+                    f"{want_} {def_w.node_data()[1]!r}")
+    return path or "<root>", got, want_
+  for (k, h), (_, w) in zip(kids_h, kids_w):
+    found = first_difference(h, w, path + jax.tree_util.keystr(k))
+    if found is not None:
+      return found
+  return path or "<root>", _node(have), _node(want)
+
+
 def check_state(stiefel_tx, state, f_params, stack_frames) -> None:
   """A clear error when the Stiefel group's state was not made by this
   optimizer's `stack_frames` setting (a checkpoint of another setting, or
-  of another model), naming the setting that would fit it."""
-  made = lambda setting: jax.tree.structure(jax.eval_shape(
-      stiefel_tx.init, _inner_params(f_params, setting)))
+  of another model), naming the first place where it differs and the
+  setting that would fit it."""
+  made = lambda setting: jax.eval_shape(
+      stiefel_tx.init, _inner_params(f_params, setting))
   have = jax.tree.structure(state)
   try:
     expected = made(stack_frames)
   except Exception:  # pylint: disable=broad-except
     return   # an init that cannot run abstractly: nothing to compare with
-  if have == expected:
+  if have == jax.tree.structure(expected):
     return
+  where, got, want = first_difference(state, expected)
   fits = [repr(st) for st in STACK_FRAMES
-          if st != stack_frames and made(st) == have]
+          if st != stack_frames and jax.tree.structure(made(st)) == have]
   hint = (f" It fits stack_frames={' or '.join(fits)}: restore it into an"
           " optimizer with that setting" if fits else
           " It fits no stack_frames setting for these parameters (a state of"
           " another model?): restore it into the optimizer that made it")
   raise ValueError(
-      f"frame_partition: the Stiefel group's state ({have.num_leaves}"
-      f" arrays) is not the one this optimizer makes with"
-      f" stack_frames={stack_frames!r} ({expected.num_leaves}"
-      f" arrays).{hint}, or start a new state with tx.init(params).")
+      f"frame_partition: the Stiefel group's state is not the one this"
+      f" optimizer makes with stack_frames={stack_frames!r}: at"
+      f" state.stiefel{'' if where == '<root>' else where} it holds {got},"
+      f" where this optimizer's state holds {want}.{hint}, or start a new"
+      " state with tx.init(params).")
 
 
 def frame_partition(stiefel_tx: optax.GradientTransformation,
@@ -157,9 +211,10 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
           init_fn(sharding.unwrap_variables(params)), params, frames)
     warn_if_boxed(params)   # its boxes would mislabel the state
     items = specs_lib.frame_specs(params, frames)
-    # The one start check of init, naming each kernel (`checks.check_start`).
+    # The one start check of init, naming each kernel (`checks.check_start`;
+    # traced frames, an init under jit, are checked when the init runs).
     for path, x, spec in items:
-      if spec is not None and checks.is_concrete(x):
+      if spec is not None and not isinstance(x, jax.ShapeDtypeStruct):
         view = views.to_frames(x, spec, path)
         checks.check_start(
             f"{path}: shape {tuple(x.shape)}, frames {view.shape} under"
@@ -175,6 +230,17 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
 
   def update_fn(updates, state, params=None, **extra_args):
     checks.require_params(params, "frame_partition")
+    if any(sharding.has_variables(t) for t in (updates, state, params)):
+      # Flax NNX's functional pattern (nnx.split, then tx.update on the
+      # nnx.State of Variables, the state from init's Variables): the step
+      # is computed on the values, and the updates and the state come back
+      # in the Variables they came in (their structure unchanged, as a
+      # jit output or a scan carry needs). nnx.Optimizer passes values.
+      values = sharding.unwrap_variables
+      u, s = update_fn(values(updates), values(state), values(params),
+                       **extra_args)
+      return (sharding.rewrap_like(updates, u),
+              sharding.rewrap_like(state, s))
     items = specs_lib.frame_specs(params, frames)
     checks.check_same_structure(updates, params, "frame_partition")
     f_updates, r_updates = split_groups(updates, items)

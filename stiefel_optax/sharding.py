@@ -600,10 +600,38 @@ def has_variables(tree) -> bool:
 
 
 def unwrap_variables(tree):
-  """`tree` with each Flax NNX Variable replaced by its value."""
+  """`tree` with each Flax NNX Variable replaced by its value (other leaves,
+  e.g. an optimizer state's counts, as they are)."""
   var = _variable_type()
-  return jax.tree.map(lambda v: v.get_value(), tree,
-                      is_leaf=lambda x: isinstance(x, var))
+  if var is None:
+    return tree
+  is_var = lambda x: isinstance(x, var)
+  return jax.tree.map(lambda v: v.get_value() if is_var(v) else v, tree,
+                      is_leaf=is_var)
+
+
+def rewrap_like(like, values):
+  """`values` (a tree of `unwrap_variables(like)`'s structure) in the
+  Variables of `like`: each Variable of `like`, with its type and
+  metadata, holds the new value of its place.
+
+  The inverse of `unwrap_variables` for a tree computed from its values,
+  so that a state or an update handed in as Variables (Flax NNX's
+  functional pattern: `nnx.split`, then `tx.update` on the `nnx.State`)
+  comes back with the structure it came in (a `jax.jit` output or a
+  `lax.scan` carry must keep its tree).
+  """
+  treedef = jax.tree.structure(like)
+  leaves = jax.tree.leaves(values)
+  if jax.tree.structure(unwrap_variables(like)) != jax.tree.structure(values):
+    raise ValueError(
+        "stiefel_optax: internal error: a tree computed from the values of"
+        " Flax NNX Variables lost their structure:"
+        f" {jax.tree.structure(unwrap_variables(like))} vs"
+        f" {jax.tree.structure(values)}.")
+  # A Variable is a pytree node of one leaf, its value: the leaves of
+  # `like` and of its values come in the same order.
+  return treedef.unflatten(leaves)
 
 
 # The Variable metadata that shards a state: flax's `out_sharding` (set by

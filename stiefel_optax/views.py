@@ -89,6 +89,10 @@ def split_frames(x: jax.Array, spec: FrameSpec, name: str = "leaf"):
     >>> frames.shape, rest.shape          # q and k heads; the v third as is
     ((2, 2, 16, 8), (16, 16))
   """
+  if isinstance(x, jax.ShapeDtypeStruct):
+    # An abstract leaf (tx.init on a tree of ShapeDtypeStructs, as optax's
+    # transforms take it): the views' shapes, dtypes and shardings.
+    return jax.eval_shape(lambda y: split_frames(y, spec, name), x)
   view = spec.frame_shape(x.shape, name)
   _, _, _, part = spec.axes(x.ndim, name)
   rest = None
