@@ -23,6 +23,9 @@ from stiefel_optax.views import (
 from stiefel_optax.partition import FramePartitionState, frame_partition
 from stiefel_optax.sharding import frame_view_spec, state_shardings
 from stiefel_optax.attention import stiefel_attention
+from stiefel_optax.bound import (
+    GAIN_CONSTRAINTS, GAIN_PRESETS, GainSpec, attention_logit_bound,
+    gain_specs, project_gains)
 from stiefel_optax.initializers import orthonormal_heads_init, orthonormalize
 from stiefel_optax.diagnostics import (
     check_frames, frame_isometry_errors, frame_movement, max_isometry_error)
@@ -60,6 +63,9 @@ __all__ = [
     # Model helpers: orthonormal starts, optimizer-state shardings.
     "orthonormalize", "orthonormal_heads_init", "state_shardings",
     "frame_view_spec",
+    # The logit bound: the pre-attention norm gains, constrained and read.
+    "project_gains", "GainSpec", "GAIN_PRESETS", "GAIN_CONSTRAINTS",
+    "gain_specs", "attention_logit_bound",
     # Diagnostics.
     "check_frames", "frame_isometry_errors", "max_isometry_error",
     "frame_movement",

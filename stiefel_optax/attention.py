@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stiefel_optax import aliases, partition, specs as specs_lib
+from stiefel_optax import aliases, bound as bound_lib, partition, specs as specs_lib
 
 
 class _DefaultFloat(float):
@@ -105,6 +105,7 @@ def stiefel_attention(
     stiefel_tx: Optional[optax.GradientTransformation] = None,
     euclidean_tx: Optional[optax.GradientTransformation] = None,
     stack_frames: bool = False,
+    gain_constraint: Optional[Any] = None,
 ) -> optax.GradientTransformation:
   """Stiefel-Adam on the attention query/key frames, AdamW on the rest.
 
@@ -163,6 +164,14 @@ def stiefel_attention(
       optimizer state holds one stack per shape instead of one moment per
       leaf, so a checkpoint restores only into an optimizer with the same
       setting. Stack only kernels that are sharded alike.
+    gain_constraint: None (default: the gains train as the rest); "box",
+      "sphere" or "fixed": after the step, the pre-attention norm gains are
+      projected onto that set (`project_gains` with its defaults, g_max 1),
+      found by the gain preset of the same name as `frames` (a preset name;
+      else "auto"), so that every logit stays within
+      `attention_logit_bound`; or a `project_gains(...)` transform of your
+      own (its constraint, bounds and gain selector). The whole optimizer
+      is then `optax.chain(frame_partition(...), project_gains(...))`.
 
   Non-finite gradients: the library skips the frame (a Stiefel frame whose
   gradient holds a NaN or Inf gets a zero step and keeps its moments; see
@@ -221,6 +230,30 @@ def stiefel_attention(
                                      _euclidean_eps(eps),
                                      weight_decay=weight_decay,
                                      mu_dtype=mu_dtype)
-  return partition.frame_partition(inner, rest, frames,
-                                   orthonormal_start=orthonormal_start,
-                                   stack_frames=stack_frames)
+  tx = partition.frame_partition(inner, rest, frames,
+                                 orthonormal_start=orthonormal_start,
+                                 stack_frames=stack_frames)
+  if gain_constraint is None:
+    return tx                  # the option off: exactly the partition
+  return optax.chain(tx, _gain_projection(gain_constraint, frames))
+
+
+def _gain_projection(gain_constraint, frames) -> optax.GradientTransformation:
+  """`stiefel_attention`'s gain_constraint as a transform: a constraint
+  name with the gain preset named as `frames` (else "auto"), or the user's
+  own transform."""
+  if isinstance(gain_constraint, str):
+    gains = (frames if isinstance(frames, str)
+             and frames in bound_lib.GAIN_PRESETS else "auto")
+    if gain_constraint not in bound_lib.GAIN_CONSTRAINTS:
+      raise ValueError(
+          f"stiefel_attention: gain_constraint={gain_constraint!r} is not one"
+          f" of {list(bound_lib.GAIN_CONSTRAINTS)}; pass one of those, None,"
+          " or stiefel_optax.project_gains(constraint, gains=..., g_max=...).")
+    return bound_lib.project_gains(gain_constraint, gains=gains)
+  if isinstance(gain_constraint, optax.GradientTransformation):
+    return gain_constraint
+  raise ValueError(
+      f"stiefel_attention: gain_constraint={gain_constraint!r} must be None,"
+      f" one of {list(bound_lib.GAIN_CONSTRAINTS)} or a transform"
+      " (stiefel_optax.project_gains(...)).")

@@ -1,0 +1,614 @@
+"""The attention-logit bound, closed: the pre-attention norm's gains held on a
+constraint set, and the largest logit a model can produce, certified.
+
+Orthonormal per-head query/key frames bound every attention logit by the
+token norms: |q_i . k_j| / sqrt(r) <= ||x_i|| ||x_j|| / sqrt(r). The tokens
+x entering attention come out of a norm layer (LayerNorm or RMSNorm) with a
+trained gain g (and, for LayerNorm, a bias b):
+
+    x = g * n + b,    n = (y - mu) / sqrt(var + eps)   (RMSNorm: mu = 0,
+                                                        var = mean(y^2))
+
+and ||n||_2^2 = d var / (var + eps) <= d for every input y and every
+eps >= 0, so ||x|| <= ||g||_inf sqrt(d) + ||b||_2. A gain that trains
+freely lets the bound grow with it; constraining g (`project_gains`: a box
+|g| <= g_max, a sphere ||g||_2 = sqrt(d), or held fixed) closes it:
+|logit| <= (g_max sqrt(d) + ||b||)^2 / sqrt(r).
+
+One per-leaf description, `GainSpec` (the feature axis, Gemma's `1 + scale`
+offset, whether the leaf is the norm's bias), given by a preset name, a
+`{path_regex: GainSpec | None}` mapping or a callable `(path, leaf) ->
+GainSpec | None`, selects the gains, as `FrameSpec` selects the frames:
+
+* ``"flax"`` (linen and nnx), ``"equinox"``, ``"haiku"``: the norm module
+  before attention by its name, one of `NORM_NAMES` (nanoGPT's ``ln_1``, the
+  benchmark models' ``ln_attn``, Llama's ``input_layernorm`` and
+  ``attention_norm``, ...), its gain ``scale`` / ``weight`` and its bias
+  ``bias`` (Haiku: ``offset``);
+* ``"nanogpt"``: ``ln_1`` only, in any framework;
+* ``"gemma"``: ``pre_attention_norm/scale``, gain 1 + scale;
+* ``"maxtext"``: ``pre_self_attention_layer_norm/scale`` (and
+  ``pre_self_attention_norm``), shape (embed,) or scanned (embed, layers);
+* ``"haliax"``: Levanter's ``input_layernorm`` ``weight`` / ``bias``
+  (axis ``embed``);
+* ``"penzai"``: Parameters labelled ``.../pre_attention_norm/scale.weights``
+  and ``.../pre_attention_norm/shift.bias`` (axis ``embedding``);
+* ``"auto"``: every name above (Gemma's offset where the tree holds Gemma's
+  einsum kernels).
+
+`attention_logit_bound` reads the bound of a parameter tree: per attention
+block, the largest logit any input can produce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from stiefel_optax import checks, specs as specs_lib, views
+
+
+@dataclasses.dataclass(frozen=True)
+class GainSpec:
+  """How one leaf of a norm layer enters the token norm.
+
+  Attributes:
+    axis: the feature axis (d), a position or, for leaves that carry axis
+      names (Haliax, penzai), a name; every other axis is a batch of norm
+      layers (a scanned stack's layer axis).
+    offset: the effective gain is offset + leaf (Gemma's RMSNorm scales by
+      1 + scale: offset 1.0); ignored for a bias.
+    bias: the leaf is the norm's bias (LayerNorm's bias, Haiku's offset,
+      penzai's shift), added after the gain.
+
+  Example:
+    >>> from stiefel_optax import GainSpec
+    >>> GainSpec(offset=1.0)                          # gemma
+    GainSpec(axis=-1, offset=1.0, bias=False)
+  """
+  axis: Union[int, str] = -1
+  offset: float = 0.0
+  bias: bool = False
+
+  def __post_init__(self):
+    if isinstance(self.axis, bool) or not isinstance(self.axis, (int, str)):
+      raise ValueError(f"{self}: axis must be an int (position) or a str"
+                       " (axis name).")
+    if not math.isfinite(self.offset):
+      raise ValueError(f"{self}: offset must be a finite float.")
+
+
+# --------------------------------------------------------------------------
+# Presets: the names of the norm that precedes attention.
+
+#: Module names of the norm that precedes attention in common code: nanoGPT
+#: (`ln_1`), the benchmark models (`ln_attn`), Llama ports (`input_layernorm`,
+#: `attention_norm`), and others' `attn_norm`, `pre_attn_norm`, `norm1`.
+#: Gemma's and penzai's `pre_attention_norm` is the "gemma" / "penzai" presets'.
+NORM_NAMES = ("ln_1", "ln_attn", "input_layernorm", "attention_norm",
+              "attn_norm", "pre_attn_norm", "norm1")
+_NAMES = "|".join(NORM_NAMES)
+
+
+def _rules(gain: str, bias: Optional[str], spec: GainSpec = GainSpec(),
+           bias_spec: Optional[GainSpec] = None) -> dict:
+  out = {gain: spec}
+  if bias is not None:
+    out[bias] = bias_spec or dataclasses.replace(spec, offset=0.0, bias=True)
+  return out
+
+
+_FLAX = _rules(rf"(^|/)({_NAMES})/(scale|weight)$", rf"(^|/)({_NAMES})/bias$")
+_EQUINOX = _rules(rf"(^|/)({_NAMES})/weight$", rf"(^|/)({_NAMES})/bias$")
+_HAIKU = _rules(rf"(^|/)({_NAMES})/scale$", rf"(^|/)({_NAMES})/offset$")
+_NANOGPT = _rules(r"(^|/)ln_1/(scale|weight)$", r"(^|/)ln_1/bias$")
+_GEMMA = _rules(r"(^|/)pre_attention_norm/scale$", None, GainSpec(offset=1.0))
+# MaxText scans with param_scan_axis 1: the (embed,) scale becomes
+# (embed, layers), so its feature axis is 0.
+_MAXTEXT = _rules(r"(^|/)pre_self_attention_(layer_)?norm/scale$", None,
+                  GainSpec(axis=0))
+_HALIAX = _rules(r"(^|/)input_layernorm/weight$", r"(^|/)input_layernorm/bias$",
+                 GainSpec(axis="embed"))
+# penzai names its Parameters by label; its converters fold Gemma's 1 + into
+# the stored weights, so the gain is the leaf itself.
+_PENZAI = _rules(r"(^|/)pre_attention_norm/scale\.weights$",
+                 r"(^|/)pre_attention_norm/shift\.bias$",
+                 GainSpec(axis="embedding"))
+_GEMMA_KERNELS = r"(^|/)(q_einsum|kv_einsum|qkv_einsum)/w$"
+
+#: The names of the preset gain selectors, each a ``gains=`` value.
+GAIN_PRESETS = ("auto", "equinox", "flax", "gemma", "haiku", "haliax",
+                "maxtext", "nanogpt", "penzai")
+_PRESETS = {"equinox": _EQUINOX, "flax": _FLAX, "gemma": _GEMMA,
+            "haiku": _HAIKU, "haliax": _HALIAX, "maxtext": _MAXTEXT,
+            "nanogpt": _NANOGPT, "penzai": _PENZAI}
+
+GainSelector = Union[None, str, Mapping[str, Optional[GainSpec]],
+                     Callable[[str, Any], Optional[GainSpec]]]
+
+# Leaves that look like a norm's parameters: named in an error that finds
+# no gain, so the user sees what the tree holds.
+_CANDIDATE = re.compile(r"(norm|ln|layer_?norm)[^/]*/[^/]+$", re.IGNORECASE)
+
+
+def _penzai_labels(params) -> dict:
+  """{array path: the label of its penzai ParameterValue} (penzai's
+  optimizer trees are tuples of ParameterValues; their labels, not their
+  tuple positions, name them). penzai is never imported here."""
+  variables = sys.modules.get("penzai.core.variables")
+  if variables is None:
+    return {}
+  value_t = variables.ParameterValue
+  out = {}
+  for path, p in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: isinstance(x, value_t))[0]:
+    if isinstance(p, value_t):
+      for sub, _ in jax.tree_util.tree_leaves_with_path(p.value):
+        out[specs_lib.path_str(tuple(path) + (
+            jax.tree_util.GetAttrKey("value"),) + tuple(sub))] = str(p.label)
+  return out
+
+
+def leaf_names(params) -> list:
+  """[(path, name, leaf)] of the array leaves: name is the path, or a penzai
+  Parameter's label (what selectors and bound blocks read)."""
+  labels = _penzai_labels(params)
+  out = []
+  for p, x in jax.tree_util.tree_leaves_with_path(params):
+    path = specs_lib.path_str(p)
+    out.append((path, labels.get(path, path), x))
+  return out
+
+
+def _mapping_fn(rules: Mapping, what: str):
+  compiled = {}
+  for pattern, spec in rules.items():
+    if not isinstance(pattern, str):
+      raise ValueError(f"gains: key {pattern!r} must be a path regex (str).")
+    if spec is not None and not isinstance(spec, GainSpec):
+      raise ValueError(f"gains[{pattern!r}] = {spec!r}: expected a GainSpec"
+                       " or None.")
+    try:
+      compiled[pattern] = (re.compile(pattern), spec)
+    except re.error as err:
+      raise ValueError(f"gains: {pattern!r} is not a valid regex: {err}.")
+
+  def fn(name, leaf):
+    hits = {s for c, s in compiled.values() if c.search(name)}
+    if len(hits) > 1:
+      raise ValueError(f"{name}: matched by several {what} entries with"
+                       f" different specs {sorted(map(repr, hits))}. Make the"
+                       " regexes disjoint.")
+    return hits.pop() if hits else None
+  return fn
+
+
+def _selector(gains: GainSelector, names: list):
+  if gains is None:
+    gains = "auto"
+  if isinstance(gains, str):
+    if gains not in GAIN_PRESETS:
+      raise ValueError(
+          f"gains={gains!r} is not a preset; the presets are"
+          f" {list(GAIN_PRESETS)} (or pass a mapping {{path_regex: GainSpec}}"
+          " or a callable (path, leaf) -> GainSpec | None).")
+    if gains == "auto":
+      gemma = any(re.search(_GEMMA_KERNELS, n) for _, n, _ in names)
+      # Levanter's input_layernorm is the flax rules' (its feature axis
+      # last, by position); Haiku's and Equinox's names are flax's.
+      rules = {**_FLAX, **_HAIKU, **_EQUINOX, **_MAXTEXT, **_PENZAI,
+               **(_GEMMA if gemma else {})}
+      return _mapping_fn(rules, "preset 'auto'"), f"preset {gains!r}", {}
+    return (_mapping_fn(_PRESETS[gains], f"preset {gains!r}"),
+            f"preset {gains!r}", {})
+  if isinstance(gains, Mapping):
+    return _mapping_fn(gains, "gains mapping"), "gains mapping", {
+        p: re.compile(p) for p in gains}
+  if callable(gains):
+    return gains, f"callable {getattr(gains, '__name__', gains)!r}", {}
+  raise ValueError(
+      f"gains={gains!r} is not a gain selector: pass a preset name"
+      f" {list(GAIN_PRESETS)}, a mapping {{path_regex: GainSpec | None}} or a"
+      " callable (path, leaf) -> GainSpec | None.")
+
+
+def _resolve_axis(spec: GainSpec, path: str, shape, names) -> int:
+  """The spec's feature axis on a leaf of `shape` as a position."""
+  if isinstance(spec.axis, str):
+    if names is None or spec.axis not in names:
+      raise ValueError(
+          f"{path}: shape {tuple(shape)} is selected as a norm gain by"
+          f" {spec}, whose feature axis is named {spec.axis!r}, but the leaf's"
+          f" axes are {names or 'without names'}. Pass gains={{{path!r}:"
+          " GainSpec(axis=<its feature axis, a position or a name>)}}.")
+    return names.index(spec.axis)
+  if not -len(shape) <= spec.axis < len(shape):
+    raise ValueError(
+        f"{path}: shape {tuple(shape)} is selected as a norm gain by {spec},"
+        f" whose feature axis {spec.axis} is out of range. Pass gains="
+        f"{{{path!r}: GainSpec(axis=<its feature axis>)}}.")
+  return spec.axis % len(shape)
+
+
+class Gain(NamedTuple):
+  """One selected leaf: its path, its name (path or penzai label), its
+  spec and its feature axis as a position."""
+  path: str
+  name: str
+  spec: GainSpec
+  axis: int
+
+
+def gain_specs(params, gains: GainSelector = None) -> list:
+  """Resolves a gain selector on a parameter tree: one entry per leaf.
+
+  Args:
+    params: a parameter tree (dict, Flax/nnx state, Equinox Module, Haiku
+      params, Haliax model, penzai ParameterValues).
+    gains: a preset name (`GAIN_PRESETS`; None: "auto"), a mapping
+      {path_regex: GainSpec | None} (regexes searched in the '/'-joined path,
+      or a penzai Parameter's label; every entry must match a leaf) or a
+      callable (path, leaf) -> GainSpec | None.
+
+  Returns:
+    [(path, leaf, Gain | None)] for the leaves in flattening order.
+
+  Raises:
+    ValueError: when nothing is selected (naming the leaves that look like
+      a norm's parameters), a mapping entry matches no leaf, a selected
+      leaf is not a floating array of rank >= 1, its feature axis does not
+      fit, or a bias has no gain of its shape in its norm layer. Each
+      message names the path, the shape and the fix.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> tree = {"h_0": {"ln_1": {"scale": jnp.ones(8)},
+    ...                 "ln_2": {"scale": jnp.ones(8)}}}
+    >>> [(p, g.spec) for p, _, g in so.gain_specs(tree, "nanogpt") if g]
+    [('h_0/ln_1/scale', GainSpec(axis=-1, offset=0.0, bias=False))]
+  """
+  if params is None or not jax.tree.leaves(params):
+    raise ValueError("params is None or holds no arrays: the gain projection"
+                     " reads the current gains (tx.init(params),"
+                     " tx.update(updates, state, params)).")
+  names = leaf_names(params)
+  fn, what, must_match = _selector(gains, names)
+  axis_names = None
+  out = []
+  for path, name, leaf in names:
+    spec = fn(name, leaf)
+    if spec is None:
+      out.append((path, leaf, None))
+      continue
+    if not isinstance(spec, GainSpec):
+      raise ValueError(f"{path}: the gain selector returned {spec!r};"
+                       " expected a GainSpec or None.")
+    shape = tuple(getattr(leaf, "shape", ()))
+    dtype = getattr(leaf, "dtype", None)
+    if (dtype is None or not jnp.issubdtype(dtype, jnp.floating)
+        or not shape):
+      raise ValueError(
+          f"{path}: {type(leaf).__name__} of shape {shape} and dtype {dtype}"
+          f" is selected as a norm {'bias' if spec.bias else 'gain'} by"
+          f" {what}; it must be a floating array of rank >= 1 (its feature"
+          " axis). Fix the selector (gains=) so that it names the norm's"
+          " scale and bias only.")
+    if axis_names is None:
+      axis_names = specs_lib.axis_names(params)
+    axis = _resolve_axis(spec, path, shape, axis_names.get(path))
+    out.append((path, leaf, Gain(path, name, spec, axis)))
+  for pattern, compiled in must_match.items():
+    if not any(compiled.search(n) for _, n, _ in names):
+      raise ValueError(
+          f"gains: entry {pattern!r} matches no parameter path; nearby paths:"
+          f" {specs_lib._nearby(pattern, [n for _, n, _ in names])}. Fix the"
+          " regex or drop the entry.")
+  if not any(g is not None and not g.spec.bias for _, _, g in out):
+    cands = [f"{n} {tuple(getattr(x, 'shape', ()))}" for _, n, x in names
+             if _CANDIDATE.search(n)]
+    raise ValueError(
+        f"gains: {what} selects no pre-attention norm gain. Candidates (leaves"
+        f" that look like a norm's parameters): {', '.join(cands[:12]) or 'none'}"
+        f"{' ...' if len(cands) > 12 else ''}. Pass gains= a preset"
+        f" {list(GAIN_PRESETS)} or a mapping {{path_regex: GainSpec}} that"
+        " names the scale of the norm before each attention layer, e.g."
+        " {r'block_\\d+/ln_attn/scale$': GainSpec()}.")
+  _check_biases(out)
+  return out
+
+
+def _module_of(name: str) -> str:
+  """The norm layer of a leaf name: the name without its last component
+  (penzai: 'block_0/pre_attention_norm/scale.weights' and '.../shift.bias'
+  are one norm's)."""
+  return name.rsplit("/", 1)[0] if "/" in name else ""
+
+
+def _check_biases(items) -> None:
+  gains = {_module_of(g.name): (x, g) for _, x, g in items
+           if g is not None and not g.spec.bias}
+  for _, x, g in items:
+    if g is None or not g.spec.bias:
+      continue
+    mate = gains.get(_module_of(g.name))
+    if mate is None or tuple(mate[0].shape) != tuple(x.shape):
+      raise ValueError(
+          f"{g.path}: the norm bias of shape {tuple(x.shape)} has no selected"
+          f" gain of its shape in its norm layer {_module_of(g.name)!r}"
+          f"{'' if mate is None else f' (its gain has shape {tuple(mate[0].shape)})'}."
+          " Select the norm's scale too, or leave the bias out of gains=.")
+
+
+# --------------------------------------------------------------------------
+# The projection.
+
+#: The constraint sets of `project_gains`.
+GAIN_CONSTRAINTS = ("box", "sphere", "fixed")
+
+
+def _project(x, gain: Gain, constraint: str, g_max: float, bias_max: float):
+  """The projection of a leaf's new value x onto its constraint set, in the
+  leaf's effective gain (offset + x); float32 at least."""
+  dtype = jnp.promote_types(x.dtype, jnp.float32)
+  x = x.astype(dtype)
+  if gain.spec.bias:
+    return jnp.clip(x, -bias_max, bias_max)
+  g = x + gain.spec.offset
+  if constraint == "box":
+    g = jnp.clip(g, -g_max, g_max)
+  else:                                     # sphere, per norm layer
+    d = x.shape[gain.axis]
+    norm = jnp.linalg.norm(g, axis=gain.axis, keepdims=True)
+    # A zero gain has no direction: it goes to the all-ones gain (norm
+    # sqrt(d) too), the norm layers' usual start.
+    g = jnp.where(norm > 0, g * (math.sqrt(d) / jnp.where(norm > 0, norm, 1)),
+                  jnp.ones_like(g))
+  return g - gain.spec.offset
+
+
+def project_gains(constraint: str = "box", *, gains: GainSelector = None,
+                  g_max: float = 1.0, bias_max: float = 1.0
+                  ) -> optax.GradientTransformationExtraArgs:
+  """After the step, the pre-attention norm gains projected onto a constraint.
+
+  For each selected gain leaf s with effective gain g = offset + s (Gemma:
+  1 + scale) and update u, the new gain g+ = offset + s + u is projected::
+
+      box:     g  <- clip(g+, -g_max, g_max)               per coordinate
+      sphere:  g  <- sqrt(d) g+ / ||g+||_2                 per norm layer
+               (a zero gain goes to the all-ones gain)
+      fixed:   g  <- g                                     (zero update)
+
+  and a selected norm bias b+ = b + u to |b| <= bias_max per coordinate
+  (fixed: held). Like the retraction, the update returned is
+  target - s, so `optax.apply_updates` lands on the projection (to one
+  rounding of that addition). Every other leaf's update passes unchanged.
+
+  Then every token entering attention has ||x|| <= ||g||_inf sqrt(d) +
+  ||b||_2 (`attention_logit_bound`): box, g_max sqrt(d) + bias_max sqrt(d);
+  sphere, at most d (||g||_inf <= ||g||_2); fixed, the gains as they are.
+
+  Args:
+    constraint: "box", "sphere" or "fixed" (`GAIN_CONSTRAINTS`).
+    gains: the gain selector (`gain_specs`): a preset name (None: "auto"),
+      a mapping {path_regex: GainSpec | None} or a callable.
+    g_max: the box's half-width on the effective gain (box only), > 0.
+    bias_max: the box on each norm bias coordinate (box and sphere), >= 0.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with an `optax.EmptyState`;
+    its update needs params (extra arguments are ignored).
+
+  Raises:
+    ValueError: for an unknown constraint or a bound that is not positive
+      (at once); at init and update, as `gain_specs`, and without params.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, stiefel_optax as so
+    >>> params = {"h_0": {"ln_1": {"scale": jnp.array([0.5, 1.0, 3.0])}}}
+    >>> tx = so.project_gains("box", gains="nanogpt", g_max=2.0)
+    >>> u, _ = tx.update({"h_0": {"ln_1": {"scale": jnp.ones(3)}}},
+    ...                  tx.init(params), params)
+    >>> optax.apply_updates(params, u)["h_0"]["ln_1"]["scale"].tolist()
+    [1.5, 2.0, 2.0]
+  """
+  checks.check_choice("project_gains", "constraint", constraint,
+                      GAIN_CONSTRAINTS)
+  for arg, value, low in (("g_max", g_max, "> 0"),
+                          ("bias_max", bias_max, ">= 0")):
+    bad = (not isinstance(value, (int, float)) or isinstance(value, bool)
+           or not math.isfinite(value) or value < 0
+           or (low == "> 0" and value == 0))
+    if bad:
+      raise ValueError(f"project_gains: {arg}={value!r} must be a finite"
+                       f" number {low}.")
+
+  def init_fn(params):
+    checks.require_params(params, "project_gains")
+    gain_specs(params, gains)          # a selection that fails fails here
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    checks.require_params(params, "project_gains")
+    checks.check_same_structure(updates, params, "project_gains")
+    items = gain_specs(params, gains)
+    out = []
+    for (path, p, gain), u in zip(items, jax.tree.leaves(updates)):
+      if gain is None:
+        out.append(u)
+      elif constraint == "fixed":
+        out.append(jnp.zeros_like(u))
+      else:
+        p32 = p.astype(jnp.promote_types(p.dtype, jnp.float32))
+        target = _project(p32 + u, gain, constraint, g_max, bias_max)
+        out.append((target - p32).astype(u.dtype))
+    return jax.tree.structure(updates).unflatten(out), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------
+# The certified bound.
+
+
+def _token_norm(gain, bias, axis: int, nu: float):
+  """max over the batch of norm layers of ||g||_inf nu + ||b||_2."""
+  g = np.moveaxis(np.abs(gain), axis, -1).max(-1) * nu
+  if bias is not None:
+    g = g + np.linalg.norm(np.moveaxis(bias, axis, -1), axis=-1)
+  return float(np.max(g))
+
+
+def _block_of(name: str) -> str:
+  """The block of a norm leaf: its name without the norm module and the
+  leaf ('h_0/ln_1/scale' -> 'h_0')."""
+  return _module_of(_module_of(name))
+
+
+def _qk_bias(params_by_path: dict, path: str, x, spec) -> Optional[np.ndarray]:
+  """The frames' bias view (batch..., 1, r) of a kernel's sibling bias
+  ('kernel'/'w'/'weight' -> 'bias'/'b'), or None. The bias has the kernel's
+  shape without its row axes; a size-1 axis in their place makes it a
+  (1 x r) 'frame' under the kernel's own spec."""
+  head, _, leaf = path.rpartition("/")
+  sibling = {"kernel": "bias", "w": "b", "weight": "bias"}.get(leaf)
+  b = params_by_path.get(f"{head}/{sibling}" if head else sibling)
+  if sibling is None or b is None:
+    return None
+  _, rows, _, _ = spec.axes(x.ndim, path)
+  want = tuple(1 if i in rows else n for i, n in enumerate(x.shape))
+  kept = tuple(n for i, n in enumerate(x.shape) if i not in rows)
+  if tuple(b.shape) != kept:
+    raise ValueError(
+        f"{head}/{sibling}: shape {tuple(b.shape)} is the bias beside the"
+        f" query/key kernel {path} of shape {tuple(x.shape)}, which expects"
+        f" {kept} (the kernel's shape without its row axes). A bias that is"
+        " not the projection's cannot be bounded here: rename it, or pass"
+        " frames= that leaves this kernel out.")
+  return np.asarray(views.to_frames(jnp.reshape(b, want), spec, path))
+
+
+def attention_logit_bound(params, *, gains: GainSelector = None,
+                          frames: specs_lib.Selector = None,
+                          epsilon: float = 0.0,
+                          max_input_norm: Optional[float] = None) -> dict:
+  """The largest attention logit any input can produce, per attention block.
+
+  A block holds one pre-attention norm (selected by `gains`) and the
+  query/key frames (selected by `frames`) under its path: the norm
+  'h_0/ln_1/scale' is block 'h_0', and every frame whose path (or penzai
+  label) starts with 'h_0/' is its attention. The token x = g n + b that
+  enters attention has ||n||_2^2 = d v / (v + eps) for the normalized input
+  n of a LayerNorm or RMSNorm with variance (mean square) v: at most d for
+  every input and every eps >= 0, approached as ||y|| grows; with
+  `max_input_norm` R (v <= R^2 / d), at most nu^2 = d R^2 / (R^2 + d eps).
+  So ||x|| <= X = ||g||_inf nu + ||b||_2 (nu = sqrt(d) without R). Per head,
+  q = W_Q^T x + b_q and k = W_K^T x + b_k, so by Cauchy-Schwarz::
+
+      |q_i . k_j| / sqrt(r) <= (s_Q X + ||b_q||)(s_K X + ||b_k||) / sqrt(r)
+
+  with s = sigma_max(W) (1 for an orthonormal frame). The block's bound is
+  max over its frames f of (s_f X + ||b_f||)^2 / sqrt(r), X the max over
+  its norm layers (a scanned stack is one block: the max over its layers).
+  Rotary embeddings preserve norms and leave it unchanged.
+
+  Computed on the host in float64 from the parameters' values.
+
+  Args:
+    params: the parameter tree (concrete values).
+    gains: the gain selector (`gain_specs`); None: "auto".
+    frames: the frame selector (`stiefel_optax.frame_specs`); None: "auto".
+      Each selected kernel's sibling 'bias' ('b' beside 'w') is its q/k bias.
+    epsilon: the norm's epsilon (>= 0); it lowers the bound only with
+      `max_input_norm`.
+    max_input_norm: a bound R on the norm layer's input ||y||_2, if one is
+      known; None: no bound (the supremum over all inputs).
+
+  Returns:
+    {block: bound (float)}, one per attention block, in tree order.
+
+  Raises:
+    ValueError: as `gain_specs` and `frame_specs`; for a negative epsilon
+      or max_input_norm, abstract (traced) params, a frame that lies under no
+      selected norm's block, or a q/k bias that does not fit its kernel.
+
+  Example (nanoGPT's block: fused c_attn, ln_1 of gain 2, orthonormal heads):
+
+    >>> import jax, jax.numpy as jnp, stiefel_optax as so
+    >>> d, heads = 16, 2
+    >>> kernel = jax.random.normal(jax.random.key(0), (d, 3 * d))
+    >>> params = {"h_0": {"ln_1": {"scale": 2.0 * jnp.ones(d)},
+    ...                   "attn": {"c_attn": {"kernel": kernel}}}}
+    >>> frames = {r"c_attn/kernel$": so.fused_qkv(heads)}
+    >>> params = so.orthonormalize(params, frames)
+    >>> bound = so.attention_logit_bound(params, gains="nanogpt", frames=frames)
+    >>> {k: round(v, 4) for k, v in bound.items()}
+    {'h_0': 22.6274}
+    >>> round(2.0 ** 2 * d / (d // heads) ** 0.5, 4)   # g_max^2 d / sqrt(r)
+    22.6274
+  """
+  if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
+    raise ValueError(f"attention_logit_bound: epsilon={epsilon!r} must be a"
+                     " number >= 0 (the norm layer's epsilon).")
+  if max_input_norm is not None and not (
+      isinstance(max_input_norm, (int, float)) and max_input_norm >= 0):
+    raise ValueError(f"attention_logit_bound: max_input_norm="
+                     f"{max_input_norm!r} must be None or a number >= 0.")
+  leaves = jax.tree.leaves(params)
+  if not all(checks.is_concrete(x) for x in leaves):
+    raise ValueError("attention_logit_bound reads the parameters' values:"
+                     " call it outside jit, on concrete params.")
+  g_items = gain_specs(params, gains)
+  by_path = {p: x for p, x, _ in g_items}
+  names = {p: n for p, n, _ in leaf_names(params)}
+  # Token norm per norm layer, then per block.
+  gain_of = {_module_of(g.name): (x, g) for _, x, g in g_items
+             if g is not None and not g.spec.bias}
+  bias_of = {_module_of(g.name): x for _, x, g in g_items
+             if g is not None and g.spec.bias}
+  token = {}
+  for module, (x, g) in gain_of.items():
+    d = x.shape[g.axis]
+    if max_input_norm is None:
+      nu = math.sqrt(d)
+    else:
+      r2 = float(max_input_norm) ** 2
+      nu = math.sqrt(d * r2 / (r2 + d * epsilon)) if r2 > 0 else 0.0
+    eff = np.asarray(x, np.float64) + g.spec.offset
+    b = bias_of.get(module)
+    t = _token_norm(eff, None if b is None else np.asarray(b, np.float64),
+                    g.axis, nu)
+    block = _block_of(g.name)
+    token[block] = max(token.get(block, 0.0), t)
+  out = {}
+  for path, x, spec in specs_lib.frame_specs(params, frames):
+    if spec is None:
+      continue
+    name = names[path]
+    blocks = [b for b in token if b == "" or name.startswith(b + "/")]
+    if not blocks:
+      raise ValueError(
+          f"{path}: shape {tuple(x.shape)}, a query/key kernel, lies under no"
+          f" selected pre-attention norm's block (blocks: {sorted(token)}):"
+          " its token norm is unknown. Select that block's norm with gains="
+          " (a mapping {path_regex: GainSpec}), whose block (the path above"
+          " the norm module) contains this kernel.")
+    block = max(blocks, key=len)
+    w = np.asarray(views.to_frames(jnp.asarray(x), spec, path), np.float64)
+    sigma = np.linalg.norm(w, ord=2, axis=(-2, -1))       # per frame
+    bq = _qk_bias(by_path, path, x, spec)
+    beta = (np.zeros_like(sigma) if bq is None else
+            np.linalg.norm(np.asarray(bq, np.float64), axis=(-2, -1)))
+    r = w.shape[-1]
+    bound = float(np.max(sigma * token[block] + beta)) ** 2 / math.sqrt(r)
+    out[block] = max(out.get(block, 0.0), bound)
+  return out
