@@ -16,8 +16,9 @@ from stiefel_optax.muon import (
     ScaleByTangentMsignState, msign, scale_by_tangent_msign, stiefel_muon,
     tangent_msign)
 from stiefel_optax.specs import (
-    FRAME_PRESETS, FrameSpec, equinox_specs, frame_specs, fused_qkv,
-    haiku_mha, path_str, selected_frames)
+    FRAME_PRESETS, FrameSpec, check_axis_mapping, equinox_specs,
+    frame_specs, fused_qkv, haiku_mha, maxtext_fused_qkv, path_str,
+    selected_frames)
 from stiefel_optax.views import (
     from_frames, map_frames, merge_frames, split_frames, to_frames)
 from stiefel_optax.partition import FramePartitionState, frame_partition
@@ -57,7 +58,8 @@ __all__ = [
     "one_pass_chain", "frame_partition", "FramePartitionState",
     # Frame selection.
     "FrameSpec", "FRAME_PRESETS", "frame_specs", "selected_frames",
-    "fused_qkv", "haiku_mha", "equinox_specs", "path_str",
+    "fused_qkv", "maxtext_fused_qkv", "haiku_mha", "equinox_specs",
+    "path_str", "check_axis_mapping",
     # Frame views.
     "split_frames", "merge_frames", "to_frames", "from_frames", "map_frames",
     # Model helpers: orthonormal starts, optimizer-state shardings.

@@ -73,7 +73,7 @@ class FrameSpec:
   Axes may instead be *names* (str), for leaves that carry their axes' names
   (Haliax's NamedArray, penzai's NamedArray): FrameSpec(rows="embed",
   cols="head_size") fits Haliax's (embed, heads, head_size) and Levanter's
-  (layers, kv_heads, q_heads_per_group, head_size, embed) alike, every axis
+  (layer, kv_head, q_heads_per_group, head_size, embed) alike, every axis
   not named being a batch axis. A named spec is `resolve`d against each
   leaf's names (`frame_specs` does it), giving the positional spec that the
   views, the step and `state_shardings` use. A spec names all its axes or
@@ -96,7 +96,7 @@ class FrameSpec:
     ...     (64, 192))                                      # nanoGPT c_attn
     (2, 4, 64, 16)
     >>> FrameSpec(rows="embed", cols="head_size").resolve(   # Levanter q_proj
-    ...     ("layers", "kv_heads", "q_heads_per_group", "head_size", "embed"))
+    ...     ("layer", "kv_head", "q_heads_per_group", "head_size", "embed"))
     FrameSpec(rows=4, cols=3)
   """
   rows: Axes = -2
@@ -343,6 +343,14 @@ _GEMMA_Q = r"(^|/)q_einsum/w$"
 _GEMMA_KV = r"(^|/)kv_einsum/w$"
 _GEMMA_QKV = r"(^|/)qkv_einsum/w$"
 _FUSED = r"(^|/)c_attn/kernel$"
+# transformers' Flax Llama (`modeling_flax_llama.py`): nn.Dense kernels
+# `model/layers/{i}/self_attn/q_proj/kernel` (d, num_attention_heads *
+# head_dim) and `k_proj/kernel` (d, num_key_value_heads * head_dim).
+_LLAMA_QK = r"(^|/)(q_proj|k_proj)/kernel$"
+_LLAMA_FRAMES_HINT = (
+    "{r'q_proj/kernel$': FrameSpec(rows=0, cols=1,"
+    " heads=config.num_attention_heads), r'k_proj/kernel$': FrameSpec("
+    "rows=0, cols=1, heads=config.num_key_value_heads)}")
 # hk.MultiHeadAttention: {name}/query/w, {name}/key/w, (d, num_heads * key_size).
 HAIKU_QK = r"(^|/)(query|key)/w$"
 
@@ -358,17 +366,23 @@ GEMMA_KV = FrameSpec(rows=-2, cols=-1, parts=2, take=(0,), part_axis=0)
 GEMMA_QKV = FrameSpec(rows=-2, cols=-1, parts=3, take=(0, 1), part_axis=0)
 
 
-def fused_qkv(num_heads: int) -> FrameSpec:
-  """The spec of a nanoGPT-style fused (d, 3 d) `c_attn` kernel.
+def fused_qkv(num_heads: int, transposed: bool = False) -> FrameSpec:
+  """The spec of a fused q/k/v kernel: nanoGPT's (d, 3 d) `c_attn`.
 
-  Its q and k thirds of the columns are frames, one per head; the v third
-  is trained as the rest.
+  Its q and k thirds are frames, one per head; the v third is trained as
+  the rest. transformers' Flax GPT-2 stores the same kernel transposed,
+  (3 d, d) (its `FlaxConv1D` keeps (features, in) and multiplies by the
+  transpose): pass `transposed=True` for it. A spec of one orientation on a
+  kernel of the other is refused by name (a (3 d, d) kernel whose d the
+  heads divide would otherwise train the wrong frames).
 
   Args:
-    num_heads: the model's number of heads.
+    num_heads: the model's number of heads (GPT-2: `config.n_head`).
+    transposed: True for a (3 d, d) kernel (transformers' Flax GPT-2).
 
   Returns:
-    FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=num_heads).
+    FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=num_heads), rows
+    and columns swapped when `transposed`.
 
   Raises:
     ValueError: if `num_heads` is not a positive int.
@@ -377,8 +391,67 @@ def fused_qkv(num_heads: int) -> FrameSpec:
     >>> from stiefel_optax import fused_qkv
     >>> fused_qkv(4).frame_shape((128, 384))
     (2, 4, 128, 32)
+    >>> fused_qkv(4, transposed=True).frame_shape((384, 128))  # HF GPT-2
+    (2, 4, 128, 32)
   """
-  return FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=num_heads)
+  rows, cols = (1, 0) if transposed else (0, 1)
+  return FrameSpec(rows=rows, cols=cols, parts=3, take=(0, 1),
+                   heads=num_heads)
+
+
+def maxtext_fused_qkv(num_query_heads: int, num_kv_heads: Optional[int] = None,
+                      tensor_parallelism: int = 1) -> FrameSpec:
+  """The spec of MaxText's fused `qkv_proj` kernel (`fused_qkv=True`).
+
+  MaxText (`maxtext/layers/attentions.py`, `init_qkv_w`, since its GQA
+  support of July 2026, release 0.2.4 on) stores q, k and v heads on one
+  axis: (embed, Nq + 2 Nkv, head_dim), scanned (embed, layers, Nq + 2 Nkv,
+  head_dim), and splits each tensor-parallel shard's heads into its q, k
+  and v heads (`split_qkv` under `shard_map`), so with the heads sharded
+  `tensor_parallelism` ways the kernel holds that many [q | k | v] blocks.
+  The q and k heads are frames (rows embed, columns head_dim); the v heads
+  are trained as the rest. The preset "maxtext" and the default read Nq
+  from the sibling `out/kernel` and assume no tensor parallelism over the
+  heads; pass this spec when the heads are sharded.
+
+  Args:
+    num_query_heads: Nq, the model's `num_query_heads`.
+    num_kv_heads: Nkv, its `num_kv_heads` (default: Nq, plain MHA).
+    tensor_parallelism: the number of shards of the heads axis in the
+      attention's `shard_map` (MaxText's tensor parallelism; 1: none).
+
+  Returns:
+    FrameSpec(rows=0, cols=-1, parts=..., take=..., part_axis=-2): the
+    heads axis cut into units of Nkv / tensor_parallelism heads, the q and
+    k units taken.
+
+  Raises:
+    ValueError: when Nkv does not divide Nq (MaxText refuses it too) or the
+      tensor parallelism does not divide Nkv.
+
+  Example:
+    >>> from stiefel_optax import maxtext_fused_qkv
+    >>> spec = maxtext_fused_qkv(4, 2)          # GQA: 4 q, 2 k, 2 v heads
+    >>> spec.frame_shape((32, 3, 8, 16))        # scanned: 3 layers
+    (3, 3, 2, 32, 16)
+  """
+  nq, nkv, t = num_query_heads, (
+      num_query_heads if num_kv_heads is None else num_kv_heads), (
+          tensor_parallelism)
+  if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+             for n in (nq, nkv, t)):
+    raise ValueError(
+        f"maxtext_fused_qkv({nq}, {nkv}, tensor_parallelism={t}): head counts"
+        " and tensor parallelism must be positive ints.")
+  if nq % nkv or nkv % t:
+    raise ValueError(
+        f"maxtext_fused_qkv({nq}, {nkv}, tensor_parallelism={t}): num_kv_heads"
+        " must divide num_query_heads (MaxText's GQA) and tensor_parallelism"
+        " must divide num_kv_heads (each shard holds whole k and v heads).")
+  # Units of nkv / t heads: per shard nq / nkv q units, one k and one v unit.
+  per = nq // nkv + 2
+  take = tuple(s * per + j for s in range(t) for j in range(per - 1))
+  return FrameSpec(rows=0, cols=-1, parts=t * per, take=take, part_axis=-2)
 
 
 def haiku_mha(num_heads: int, module: Optional[str] = None) -> dict:
@@ -419,6 +492,13 @@ def haiku_mha(num_heads: int, module: Optional[str] = None) -> dict:
   return {rf"(^|/){re.escape(module.strip('/'))}/(query|key)/w$": spec}
 
 
+def _reads_tree(make):
+  """Marks a preset that reads the whole tree (a head count that only a
+  module holds): make(params) -> (path, leaf) -> FrameSpec | None."""
+  make.reads_tree = True
+  return make
+
+
 class _Undecided(ValueError):
   """A preset recognised a leaf by name but cannot fix its layout."""
 
@@ -443,8 +523,104 @@ def _qk_kernels(spec: FrameSpec, preset: str, wanted: str):
 
 _flax = _qk_kernels(FLAX, "flax", "(d, heads, head_dim) or nn.scan's"
                     " (layers, d, heads, head_dim)")
-_maxtext = _qk_kernels(MAXTEXT, "maxtext", "(embed, heads, head_dim) or"
-                       " scanned (embed, layers, heads, head_dim)")
+_maxtext_qk = _qk_kernels(MAXTEXT, "maxtext", "(embed, heads, head_dim) or"
+                          " scanned (embed, layers, heads, head_dim)")
+
+# MaxText's fused_qkv=True kernel. Since release 0.2.4 (`init_qkv_w`):
+# (embed, Nq + 2 Nkv, head_dim), kernel_axes ("embed", "heads", "kv"); before
+# (MHA only): (embed, 3, heads, head_dim), ("embed", "qkv", "heads", "kv").
+# Scanned layers add axis 1 (param_scan_axis). The head counts are not in
+# its shape: Nq is the first axis of the sibling out projection, `out/kernel`
+# (Nq, head_dim, embed), scanned (Nq, layers, head_dim, embed).
+_MAXTEXT_QKV = r"(^|/)qkv_proj/kernel$"
+MAXTEXT_QKV3 = FrameSpec(rows=0, cols=-1, parts=3, take=(0, 1), part_axis=-3)
+
+
+def _axis_shards(leaf, axis: int) -> int:
+  """How many ways a concrete array's sharding cuts `axis` (1: unknown)."""
+  try:
+    sharding = leaf.sharding
+    entry = tuple(sharding.spec)[axis] if axis < len(sharding.spec) else None
+    names = (() if entry is None else (entry,) if isinstance(entry, str)
+             else tuple(entry))
+    return math.prod(sharding.mesh.shape[n] for n in names)
+  except Exception:       # tracers, abstract values, other shardings
+    return 1
+
+
+def _maxtext_fused_specs(params) -> dict:
+  """{path: spec, or the message of the fix} of every MaxText fused
+  `.../qkv_proj/kernel` of `params`."""
+  leaves = {path_str(p): x for p, x in
+            jax.tree_util.tree_leaves_with_path(params)}
+  out = {}
+  for path, leaf in leaves.items():
+    if not re.search(_MAXTEXT_QKV, path) or not hasattr(leaf, "shape"):
+      continue
+    shape = tuple(leaf.shape)
+    sibling = path[:-len("qkv_proj/kernel")] + "out/kernel"
+    o = tuple(getattr(leaves.get(sibling), "shape", ()))
+    fix = (f" Pass frames={{{path!r}: stiefel_optax.maxtext_fused_qkv("
+           "num_query_heads, num_kv_heads)} with the model's head counts.")
+    if len(o) not in (3, 4):
+      out[path] = (
+          f"{path}: shape {shape} looks like MaxText's fused q/k/v kernel"
+          " (fused_qkv=True: (embed, [layers,] Nq + 2 Nkv, head_dim)), whose"
+          " query and key heads cannot be told from its shape, and the tree"
+          f" has no out projection {sibling!r} of shape (Nq, [layers,]"
+          f" head_dim, embed) to read Nq from ({o or 'no such leaf'})." + fix)
+      continue
+    scanned, nq = len(o) == 4, o[0]
+    head_dim, embed = o[-2], o[-1]
+    spec = None
+    if (len(shape) == 4 + scanned and shape[-3] == 3 and shape[-2] == nq
+        and shape[-1] == head_dim and shape[0] == embed):
+      spec, heads_axis = MAXTEXT_QKV3, len(shape) - 2  # before release 0.2.4
+    elif (len(shape) == 3 + scanned and shape[-1] == head_dim
+          and shape[0] == embed and shape[-2] > nq
+          and (shape[-2] - nq) % 2 == 0 and nq % ((shape[-2] - nq) // 2) == 0):
+      spec = maxtext_fused_qkv(nq, (shape[-2] - nq) // 2)
+      heads_axis = len(shape) - 2
+    if spec is None:
+      out[path] = (
+          f"{path}: shape {shape} does not fit MaxText's fused q/k/v kernel"
+          f" beside its out projection {sibling!r} of shape {o} (Nq = {nq}):"
+          f" expected (embed, {'layers, ' if scanned else ''}Nq + 2 Nkv,"
+          f" head_dim) or (embed, {'layers, ' if scanned else ''}3, Nq,"
+          " head_dim)." + fix)
+      continue
+    shards = _axis_shards(leaf, heads_axis)
+    if shards > 1 and spec is not MAXTEXT_QKV3:
+      nkv = (shape[-2] - nq) // 2
+      out[path] = (
+          f"{path}: shape {shape}, MaxText's fused q/k/v kernel (Nq = {nq},"
+          f" Nkv = {nkv}), has its heads axis sharded {shards} ways; MaxText"
+          " splits each tensor-parallel shard's heads into q, k and v, so"
+          " which heads are q and k depends on the attention's tensor"
+          f" parallelism. Pass frames={{{path!r}:"
+          f" stiefel_optax.maxtext_fused_qkv({nq}, {nkv},"
+          " tensor_parallelism=T)} with T the shards of the activations'"
+          " heads axis.")
+      continue
+    out[path] = spec
+  return out
+
+
+def _maxtext_fused_leaf(specs: dict):
+  """(path, leaf) -> the spec of a MaxText fused qkv_proj kernel at path
+  (raising its message for a layout that does not fit), else None."""
+  def select(path, leaf):
+    spec = specs.get(path)
+    if isinstance(spec, str):
+      raise _Undecided(spec)
+    return spec
+  return select
+
+
+@_reads_tree
+def _maxtext(params):
+  fused = _maxtext_fused_leaf(_maxtext_fused_specs(params))
+  return lambda path, leaf: fused(path, leaf) or _maxtext_qk(path, leaf)
 
 
 def _gemma(path, leaf):
@@ -486,6 +662,12 @@ def _auto(path, leaf):
           " heads cannot be told from its shape: pass"
           f" frames={{{QK_KERNEL!r}: FrameSpec(rows=0, cols=1, heads=H)}}"
           " (one frame per head) or FrameSpec(rows=0, cols=1) (one frame).")
+  if re.search(_LLAMA_QK, path) and leaf.ndim == 2:
+    raise _Undecided(
+        f"{path}: shape {tuple(leaf.shape)} is a 2-D q_proj/k_proj kernel"
+        " (d, heads * head_dim), as transformers' Flax Llama (and Mistral,"
+        " Gemma, Qwen2) stores it, whose heads cannot be told from its shape:"
+        f" pass frames={_LLAMA_FRAMES_HINT}.")
   if re.search(HAIKU_QK, path) and leaf.ndim in (2, 3):
     raise _Undecided(
         f"{path}: shape {tuple(leaf.shape)} is an attention projection in"
@@ -494,18 +676,117 @@ def _auto(path, leaf):
         " frames=stiefel_optax.haiku_mha(num_heads), i.e."
         f" {{{HAIKU_QK!r}: FrameSpec(rows=-2, cols=-1, heads=num_heads)}}.")
   if re.search(_FUSED, path):
-    raise _Undecided(
-        f"{path}: shape {tuple(leaf.shape)} is a fused q/k/v kernel: pass"
-        f" frames={{{_FUSED!r}: stiefel_optax.fused_qkv(num_heads)}}, i.e."
-        " FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=num_heads).")
+    raise _Undecided(f"{path}: {_fused_advice(leaf.shape)}")
   return None
 
 
-def _reads_tree(make):
-  """Marks a preset that reads the whole tree (a head count that only a
-  module holds): make(params) -> (path, leaf) -> FrameSpec | None."""
-  make.reads_tree = True
-  return make
+def _fused_advice(shape) -> str:
+  """What a fused c_attn kernel of `shape` is, and the spec that fits it."""
+  shape = tuple(shape)
+  if len(shape) == 2 and shape[0] == 3 * shape[1]:
+    d, helper, spec = shape[1], "fused_qkv(num_heads, transposed=True)", (
+        "FrameSpec(rows=1, cols=0, parts=3, take=(0, 1), heads=num_heads)")
+    what = ("a fused q/k/v kernel stored (3 d, d), as transformers' Flax"
+            " GPT-2 stores c_attn (FlaxConv1D keeps (features, in))")
+  elif len(shape) == 2 and shape[1] == 3 * shape[0]:
+    d, helper, spec = shape[0], "fused_qkv(num_heads)", (
+        "FrameSpec(rows=0, cols=1, parts=3, take=(0, 1), heads=num_heads)")
+    what = "a fused q/k/v kernel stored (d, 3 d), as nanoGPT's c_attn"
+  else:
+    return (f"shape {shape} looks like a fused q/k/v kernel but is neither"
+            " (d, 3 d) nor (3 d, d): pass frames={path_regex: FrameSpec("
+            "rows=<its input axis>, cols=<its output axis>, parts=3, take=(0,"
+            " 1), heads=num_heads)} (the q and k thirds as frames), or None"
+            " to train it as the rest.")
+  return (f"shape {shape} is {what}: pass frames={{{_FUSED!r}:"
+          f" stiefel_optax.{helper}}}, i.e. {spec}, with num_heads the"
+          f" model's head count (a divisor of d = {d}; GPT-2: config.n_head).")
+
+
+# Names of query/key projections in real code, one path component each
+# (matched case-insensitively): flax/MaxText/haiku/t5x query, key; Llama-style
+# q_proj, k_proj; Meta's wq, wk; gemma's q_einsum, kv_einsum, qkv_einsum;
+# nanoGPT/GPT-2 c_attn (and GPT-2's cross-attention q_attn); MaxText's
+# qkv_proj; GPT-NeoX query_key_value; MosaicBERT Wqkv; torch's in_proj;
+# diffusers to_q/to_k; DistilBERT q_lin/k_lin; Equinox query_proj/key_proj.
+_QK_NAMES = frozenset((
+    "query", "key", "q", "k", "wq", "wk", "w_q", "w_k", "q_proj", "k_proj",
+    "query_proj", "key_proj", "q_lin", "k_lin", "to_q", "to_k", "q_attn",
+    "q_einsum", "kv_einsum", "qkv_einsum", "qkv", "qkv_proj", "wqkv",
+    "w_qkv", "c_attn", "query_key_value", "in_proj", "to_qkv", "kv",
+    "kv_proj", "wkv", "qk", "qk_proj"))
+# Of those, the ones that fuse several projections in one kernel.
+_FUSED_NAMES = frozenset((
+    "kv_einsum", "qkv_einsum", "qkv", "qkv_proj", "wqkv", "w_qkv", "c_attn",
+    "query_key_value", "in_proj", "to_qkv", "kv", "kv_proj", "wkv", "qk",
+    "qk_proj"))
+# The other projections of an attention layer.
+_ATTN_NAMES = _QK_NAMES | frozenset((
+    "value", "v", "wv", "wo", "w_v", "w_o", "v_proj", "o_proj", "out_proj",
+    "value_proj", "output_proj", "v_lin", "out_lin", "to_v", "to_out",
+    "attn_vec_einsum", "c_proj", "out"))
+# A leaf whose last component is one of these is no projection kernel.
+_NOT_KERNEL = frozenset(("bias", "b", "scale", "offset"))
+
+
+def _components(path: str):
+  parts = [c.lower() for c in path.split("/") if c]
+  return parts, set(parts[:-1]) | ({parts[-1]} if parts else set())
+
+
+def _is_matrix(leaf) -> bool:
+  dtype = getattr(leaf, "dtype", None)
+  return (len(getattr(leaf, "shape", ())) >= 2 and dtype is not None
+          and jnp.issubdtype(dtype, jnp.floating))
+
+
+def looks_like_qk(path: str, leaf) -> bool:
+  """Whether a leaf looks like a query/key projection kernel.
+
+  A floating leaf of rank >= 2 with a path component named as real code
+  names query/key projections (query, key, q_proj, k_proj, wq, wk, qkv,
+  qkv_proj, c_attn, q_einsum, kv_einsum, ...; any case), not a bias or a
+  scale. The default selector ("auto") refuses to leave such a leaf to the
+  Euclidean transform silently.
+
+  Args:
+    path: the leaf's '/'-joined path (`path_str`).
+    leaf: the leaf (an array, or anything with shape and dtype).
+
+  Returns:
+    True when it looks like a query/key projection.
+
+  Example:
+    >>> import jax.numpy as jnp, stiefel_optax as so
+    >>> w = jnp.zeros((64, 64))
+    >>> so.specs.looks_like_qk("model/layers/0/self_attn/q_proj/kernel", w)
+    True
+    >>> so.specs.looks_like_qk("model/layers/0/self_attn/q_proj/bias", w)
+    False
+  """
+  parts, names = _components(path)
+  return bool(parts) and parts[-1] not in _NOT_KERNEL and _is_matrix(
+      leaf) and bool(names & _QK_NAMES)
+
+
+def _looks_like_attention(path: str, leaf) -> bool:
+  """A leaf that looks like any attention projection (q, k, v or out)."""
+  parts, names = _components(path)
+  return bool(parts) and parts[-1] not in _NOT_KERNEL and _is_matrix(leaf) and (
+      bool(names & _ATTN_NAMES)
+      or any("attn" in c or "attention" in c for c in parts[:-1]))
+
+
+def _looks_fused(path: str, leaf) -> bool:
+  parts, names = _components(path)
+  shape = tuple(leaf.shape)
+  return bool(names & _FUSED_NAMES) or (
+      len(shape) == 2 and max(shape) in (2 * min(shape), 3 * min(shape)))
+
+
+def _describe_leaf(path: str, leaf) -> str:
+  fused = " (looks fused)" if _looks_fused(path, leaf) else ""
+  return f"{path} {tuple(leaf.shape)}{fused}"
 
 
 def _is_eqx_mha(x) -> bool:
@@ -597,8 +878,9 @@ def _equinox(params):
 # ever imported here: without it a tree holds none of its arrays.
 
 # Levanter's attention: q_proj / k_proj are `haliax.nn.Linear`s from the
-# model width (their `In`) to (kv_heads, q_heads_per_group, head_size) or
-# (kv_heads, head_size); under `Stacked` a leading `layers` axis.
+# model width (their `In`) to (kv_head, q_heads_per_group, head_size) or
+# (kv_head, head_size) (`levanter/layers/attention.py`, out_first); under
+# `Stacked` a leading `layer` axis (`levanter/models/llama.py`).
 HALIAX_QK = ("q_proj", "k_proj")
 HALIAX_HEAD = "head_size"
 # penzai's attention (`pz.nn.Attention` of the llama-like models): the query
@@ -665,6 +947,64 @@ def axis_names(params) -> dict:
       for sub, _ in jax.tree_util.tree_leaves_with_path(x):
         out[path_str(tuple(path) + tuple(sub))] = names
   return out
+
+
+def check_axis_mapping(params, mapping):
+  """Checks a name -> mesh-axis mapping against the tree's axis names.
+
+  Haliax's `infer_resource_partitions` / `hax.axis_mapping` and penzai's
+  `name_to_name_sharding` shard an axis only where its name is a key of
+  the mapping, and ignore a key that names no axis: a mapping written with
+  another model's names ('layers' for Levanter's 'layer', 'kv_heads' for
+  its 'kv_head') shards nothing, silently. This raises instead.
+
+  Args:
+    params: a tree of named arrays (a Haliax model or
+      `eqx.filter(model, eqx.is_inexact_array)`; penzai's ParameterValues).
+    mapping: {axis name: mesh axis (or axes), or None}; a sequence of
+      (name, mesh axes) pairs is read as such a mapping.
+
+  Returns:
+    `mapping`, unchanged, so the check can wrap it where it is made.
+
+  Raises:
+    ValueError: naming every key mapped to a mesh axis that names no axis
+      of `params`, the tree's axis names and the closest of them; or when
+      `params` carries no axis names at all.
+
+  Example:
+    >>> import haliax as hax, stiefel_optax as so
+    >>> w = hax.zeros((hax.Axis("layer", 2), hax.Axis("kv_head", 4),
+    ...                hax.Axis("head_size", 8), hax.Axis("embed", 16)))
+    >>> so.check_axis_mapping({"q_proj": {"weight": w}}, {"kv_head": "model"})
+    {'kv_head': 'model'}
+    >>> so.check_axis_mapping({"q_proj": {"weight": w}}, {"kv_heads": "model"})
+    Traceback (most recent call last):
+    ...
+    ValueError: axis mapping {'kv_heads': 'model'}: 'kv_heads' names no axis ...
+  """
+  pairs = list(mapping.items() if isinstance(mapping, Mapping) else mapping)
+  names = sorted({n for axes in axis_names(params).values() for n in axes
+                  if n is not None})
+  if not names:
+    raise ValueError(
+        f"axis mapping {dict(pairs)}: params carries no axis names (no Haliax"
+        " or penzai named arrays), so no name can be checked. Pass the tree"
+        " of named arrays the mapping shards (a Haliax model, or"
+        " eqx.filter(model, eqx.is_inexact_array); penzai's values).")
+  unknown = [k for k, v in pairs if v is not None and k not in names]
+  if unknown:
+    close = {k: ", ".join(map(repr, difflib.get_close_matches(k, names, 3,
+                                                              0.5)))
+             for k in unknown}
+    near = "; ".join(f"{k!r} names no axis (closest: {close[k] or 'none'})"
+                     for k in unknown)
+    raise ValueError(
+        f"axis mapping {dict(pairs)}: {near}. The tree's axes are {names};"
+        " a key that names no axis shards nothing (Levanter names its axes"
+        " 'layer', 'kv_head', 'q_heads_per_group', 'head_size', 'heads',"
+        " 'embed', 'mlp'). Use the model's own axis names.")
+  return mapping
 
 
 def _axis_spec_names(spec) -> tuple:
@@ -792,11 +1132,13 @@ _penzai = _named_preset(
 @_reads_tree
 def _auto_tree(params):
   """`_auto`, and the query/key weights of Equinox MHA modules, Levanter's
-  Haliax q_proj/k_proj and penzai's query/key Parameters; leaves that are
+  Haliax q_proj/k_proj, penzai's query/key Parameters and MaxText's fused
+  qkv_proj kernels; leaves that are
   no arrays (an Equinox model's floats, bools, functions) are not frames,
   except a penzai Parameter, which is an error naming the fix."""
   eqx_leaf = _equinox_leaf(equinox_specs(params))
-  named = _named_leaf({**_haliax_specs(params), **_penzai_specs(params)})
+  named = _named_leaf({**_haliax_specs(params), **_penzai_specs(params),
+                       **_maxtext_fused_specs(params)})
   return lambda path, leaf: named(path, leaf) or (
       None if not hasattr(leaf, "ndim") else (
           eqx_leaf(path, leaf) or _auto(path, leaf)))
@@ -865,6 +1207,7 @@ def _check_spec(spec, path, leaf):
   if len(shape) < 2:
     raise ValueError(f"{path}: shape {shape} is selected as frames by {spec};"
                      " a frame needs rank >= 2.")
+  _check_orientation(spec, path, shape)
   view = spec.frame_shape(shape, path)
   d, r = view[-2:]
   if r > d:
@@ -880,6 +1223,36 @@ def _check_spec(spec, path, leaf):
         f" {spec}: r > d, so they cannot be orthonormal.{hint} Or leave the"
         " leaf out of frames= (Euclidean).")
   return spec
+
+
+def _check_orientation(spec, path, shape):
+  """Refuses a fused spec whose rows are the fused axis of a 2-D kernel.
+
+  A fused (d, 3 d) spec (`fused_qkv`) on a kernel stored (3 d, d)
+  (transformers' Flax GPT-2) cuts the wrong axis into parts; where the
+  heads divide d / 3 nothing else would fail and the wrong frames would
+  train. The shape tells: the part axis is 3 (or 2) times shorter than the
+  other, while a (d, 3 d) kernel's part axis is the longer one."""
+  if len(shape) != 2 or spec.parts not in (2, 3) or spec.named:
+    return
+  _, rows, cols, part = spec.axes(2, path)
+  (other,) = rows if part == cols[0] else cols
+  if shape[other] != spec.parts * shape[part]:
+    return
+  fixed = dataclasses.replace(spec, rows=cols, cols=rows,
+                              part_axis=None if spec.part_axis is None
+                              else other)
+  helper = ""
+  if spec.parts == 3 and spec.take == (0, 1) and spec.heads is not None:
+    helper = (f" (stiefel_optax.fused_qkv({spec.heads}, transposed="
+              f"{fixed.rows == (1,)}))")
+  raise ValueError(
+      f"{path}: shape {tuple(shape)} is cut into {spec.parts} parts along"
+      f" axis {part} by {spec}, but its axis {other} is {spec.parts} times"
+      f" longer: the fused axis is axis {other}, so this spec would train"
+      " the wrong frames. A fused kernel stored (3 d, d), as transformers'"
+      " Flax GPT-2 stores c_attn, takes the transposed spec: pass"
+      f" {fixed}{helper}.")
 
 
 def _bind(fn, params):
@@ -996,13 +1369,59 @@ def frame_specs(params, frames: Selector = None) -> list:
           f"frames: entry {pattern!r} matches no parameter path; nearby paths:"
           f" {_nearby(pattern, paths)}. Fix the regex or drop the entry.")
   if all(spec is None for _, _, spec in out):
+    # Every leaf that looks like an attention projection, however many:
+    # the one the user means must be in the message.
+    attn = [_describe_leaf(p, x) for p, x, _ in out
+            if _looks_like_attention(p, x)]
+    others = [p for p, x, _ in out if not _looks_like_attention(p, x)]
+    listed = (f" These look like attention projections: {', '.join(attn)}."
+              if attn else " None looks like an attention projection.")
+    fused = (" A kernel that looks fused holds several projections: select"
+             " its query and key parts (parts/take: fused_qkv,"
+             " maxtext_fused_qkv)." if any("(looks fused)" in a for a in attn)
+             else "")
     raise ValueError(
         f"frames: {what} selects no leaf as frames; the tree has"
-        f" {len(paths)} leaves: {', '.join(paths[:12])}"
-        f"{' ...' if len(paths) > 12 else ''}. Pass frames= (a preset, a"
+        f" {len(paths)} leaves.{listed}{fused} Other leaves:"
+        f" {', '.join(others[:12]) or '(none)'}"
+        f"{' ...' if len(others) > 12 else ''}. Pass frames= (a preset, a"
         " mapping {path_regex: FrameSpec} or a callable) that names the"
         " query/key kernels.")
+  if frames is None or frames == "auto":
+    _refuse_unselected_qk(out)
   return out
+
+
+def _regex_of(paths) -> str:
+  """An anchored regex matching exactly `paths`."""
+  alt = "|".join(re.escape(p) for p in paths)
+  return f"^{alt}$" if len(paths) == 1 else f"^(?:{alt})$"
+
+
+def _refuse_unselected_qk(out):
+  """The default never leaves a query/key lookalike on AdamW silently."""
+  missed = [(p, x) for p, x, spec in out
+            if spec is None and looks_like_qk(p, x)]
+  if not missed:
+    return
+  chosen = {}
+  for p, _, spec in out:
+    if spec is not None:
+      chosen.setdefault(spec, []).append(p)
+  keep = ", ".join(f"{_regex_of(ps)!r}: {spec}" for spec, ps in chosen.items())
+  names = ", ".join(_describe_leaf(p, x) for p, x in missed)
+  n = sum(map(len, chosen.values()))
+  raise ValueError(
+      f"frames: the default (auto) selects {n}"
+      f" {'leaf' if n == 1 else 'leaves'} as frames"
+      f" but leaves {names} on AdamW, though"
+      f" {'it looks like a query/key projection' if len(missed) == 1 else 'they look like query/key projections'}"
+      " (a second tower, or a layout the default does not know). Name every"
+      " query/key kernel: pass frames={"
+      f"{keep}, {_regex_of([p for p, _ in missed])!r}: FrameSpec(rows=<input"
+      " axis>, cols=<head dimension axis>, heads=<heads, for a 2-D kernel>)}"
+      " (fused kernels: stiefel_optax.fused_qkv, maxtext_fused_qkv), or"
+      " None in its place to train it with AdamW.")
 
 
 def selected_frames(params, frames: Selector = None) -> dict:
