@@ -41,6 +41,7 @@ import argparse
 import functools
 import hashlib
 import json
+import math
 import os
 import pathlib
 import platform
@@ -278,6 +279,26 @@ def write_text(path: os.PathLike, text: str) -> None:
 
 def write_json(path: os.PathLike, obj, indent: Optional[int] = None) -> None:
   write_text(path, json.dumps(obj, indent=indent))
+
+
+# Significant digits of the floats a report derives (`stated_precision`).
+REPORT_DIGITS = 10
+
+
+def stated_precision(obj, digits: int = REPORT_DIGITS):
+  """`obj` with every float rounded to `digits` significant digits (lists,
+  tuples and dicts recursed), so that a report's derived floats print the
+  same on any CPU: numpy's exp and log (geometric means) differ in the last
+  ulp between instruction sets (SVML on AVX-512, not on AVX2), a relative
+  1e-16 that 10 digits absorb unless a value sits within 1e-16 of a
+  rounding boundary."""
+  if isinstance(obj, float):
+    return float(f"{obj:.{digits}g}") if math.isfinite(obj) else obj
+  if isinstance(obj, dict):
+    return {k: stated_precision(v, digits) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [stated_precision(v, digits) for v in obj]
+  return obj
 
 
 def json_value(x):

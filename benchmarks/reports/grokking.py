@@ -477,9 +477,9 @@ def report(out: Path, cfg: Config, study: Study, runs: dict, probe_arm: str,
                                       res["long"]["isometry_ratio"])
   meta = provenance(runs, out)
   table = markdown(cfg, study, res, meta, harness.read_notes(out / "notes.md"))
-  harness.write_json(out / "results.json", dict(
+  harness.write_json(out / "results.json", harness.stated_precision(dict(
       meta=meta, config=cfg.to_dict(),
-      study=dataclasses.asdict(study), **res))
+      study=dataclasses.asdict(study), **res)))
   harness.write_text(out / "table.md", table + "\n")
   if plots:
     main_runs = {a: {s: truncate(runs[a][s], study.steps) for s in study.seeds}
@@ -893,9 +893,9 @@ def paired_report(out: Path, cfg: Config, study: Study, runs: dict,
   meta = provenance({a: by for a, by in runs.items() if by}, out)
   table = paired_markdown(cfg, study, res, meta,
                           harness.read_notes(out / "notes.md"))
-  harness.write_json(out / "results.json", dict(
+  harness.write_json(out / "results.json", harness.stated_precision(dict(
       meta=meta, config=cfg.to_dict(),
-      study=dataclasses.asdict(study), **res))
+      study=dataclasses.asdict(study), **res)))
   harness.write_text(out / "table.md", table + "\n")
   if plots and any(main.values()):
     plot_arms(main, summaries, out / "arms.png",
