@@ -32,6 +32,49 @@ ARMS = {
     "qk_clip": Arm(qk_clip=True),
 }
 
+# The closed bound (issue 52; benchmarks/results/lm_bound/plan.md): the
+# stiefel arm (its Q/K lr and cap) with each block's pre-attention norm gain
+# (nanoGPT's ln_1 scale; the model has no norm bias) projected after every
+# step onto a constraint set (`so.project_gains`): the box |g| <= 1, the
+# sphere ||g||_2 = sqrt(d) per layer, or held at its start (ones). With
+# orthonormal frames every logit is then at most d / sqrt(head_dim) (box,
+# fixed) or ||g||_inf^2 d / sqrt(head_dim) <= d^2 / sqrt(head_dim)
+# (sphere): `so.attention_logit_bound`. {arm: (constraint, g_max)}.
+BOUND_ARMS = {"stiefel_box": ("box", 1.0), "stiefel_sphere": ("sphere", 1.0),
+              "stiefel_fixed": ("fixed", 1.0)}
+for _arm in BOUND_ARMS:
+  ARMS[_arm] = ARMS["stiefel"]
+GAINS = "nanogpt"          # the gain preset: each block's ln_1 scale
+
+
+def gain_projection(arm: str) -> optax.GradientTransformation:
+  """The bound arm's projection of the ln_1 gains after the step.
+
+  >>> import jax.numpy as jnp
+  >>> g = {"h_0": {"ln_1": {"scale": jnp.array([0.5, 2.0])}}}
+  >>> tx = gain_projection("stiefel_box")
+  >>> (g["h_0"]["ln_1"]["scale"] + tx.update(g, tx.init(g), g)[0]["h_0"][
+  ...     "ln_1"]["scale"]).tolist()                   # 2 g, boxed at 1
+  [1.0, 1.0]
+  """
+  constraint, g_max = BOUND_ARMS[arm]
+  return so.project_gains(constraint, gains=GAINS, g_max=g_max)
+
+
+def other_fields(arm: str) -> set:
+  """The Config fields that other arms read and `arm` does not: kept out of
+  its runs' identity and its --set sweeps. An arm keeps its own fields even
+  where another arm reads them too (the bound arms read stiefel's); before
+  those the arms' fields were disjoint, so no earlier run's identity
+  changed.
+
+  >>> sorted(other_fields("stiefel_box")) == sorted(other_fields("stiefel"))
+  True
+  """
+  own = set(ARMS[arm].fields) if arm in ARMS else set()
+  return {f for a, other in ARMS.items() if a != arm
+          for f in other.fields} - own
+
 
 def frames(cfg) -> dict:
   """The frame selector of the fused kernel: q and k thirds, per head."""
@@ -139,4 +182,6 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
       cap=cfg.max_step_norm, weight_decay=cfg.weight_decay)
   if arm.qk_clip:
     tx = optax.chain(tx, qk_clip(cfg.n_head))
+  if cfg.arm in BOUND_ARMS:
+    tx = optax.chain(tx, gain_projection(cfg.arm))
   return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)

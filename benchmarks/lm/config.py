@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from benchmarks import harness
-from benchmarks.lm.arms import ARMS
+from benchmarks.lm.arms import ARMS, other_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +53,7 @@ class Config:
   def to_dict(self) -> dict:
     """The configuration as a run records it and its identity hashes it:
     without the fields of the other arms (`arms.ARMS[...].fields`)."""
-    others = {f for arm, a in ARMS.items() if arm != self.arm
-              for f in a.fields}
+    others = other_fields(self.arm)
     return {k: v for k, v in dataclasses.asdict(self).items()
             if k not in others}
 

@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 from benchmarks import (driver, harness, study as study_lib, sweep as sweep_lib,
                         training)
-from benchmarks.lm.arms import ARMS
+from benchmarks.lm.arms import other_fields
 from benchmarks.lm.config import PRESETS, Config, check_config, run_name
 from benchmarks.lm.data import Corpus, default_data, load_corpus
 from benchmarks.lm import robustness
@@ -42,8 +42,7 @@ def configs(opts: driver.Options) -> list:
                    for v in text.split(",")]
   out = []
   for arm in arms:
-    others = {f for a, other in ARMS.items() if a != arm
-              for f in other.fields}
+    others = other_fields(arm)
     names = [k for k in sweeps if k not in others]
     for vals in itertools.product(*(sweeps[k] for k in names)):
       cfg = dataclasses.replace(base, arm=arm, **dict(zip(names, vals)))

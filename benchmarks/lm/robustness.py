@@ -27,6 +27,7 @@ import pathlib
 from typing import Mapping, Optional
 
 from benchmarks import harness, sweep as sweep_lib
+from benchmarks.lm.arms import BOUND_ARMS
 from benchmarks.lm.config import CPU, QUICK, Config, run_name
 from benchmarks.lm.data import default_data, load_corpus
 from benchmarks.lm.study import REFERENCE_DIR, point_config, study_data
@@ -132,12 +133,28 @@ SWEEPS = {"full": SWEEP, "quick": QUICK_SWEEP,
               reuse=(WIDTH_FOLDERS[64],), bootstrap=True)}
 
 
+# The closed bound's pilot (issue 52), as benchmarks/results/lm_bound/
+# plan.md fixes it: the three gain constraints on Stiefel-Adam (its ratio and
+# cap) at d 128 at AdamW's best eta (3e-3), Stiefel-Adam's best (1e-2) and
+# 10x, 33x and 100x AdamW's best (3e-2, 0.1, 0.3), tuning seeds 100 and 101;
+# adamw, stiefel and qk_norm at those points are the committed sweep's runs
+# (benchmarks/results/lm_robustness, read, never written).
+BOUND_PLAN = "benchmarks/results/lm_bound/plan.md"
+BOUND_PILOT = dataclasses.replace(
+    SWEEP, arms=("adamw", "stiefel", "qk_norm") + tuple(BOUND_ARMS),
+    grid=(3e-3, 1e-2, 3e-2, 0.1, 0.3), extension=(), seeds=(100, 101),
+    ratios={**RATIOS, **{a: RATIOS["stiefel"] for a in BOUND_ARMS}},
+    claims=(), plan=BOUND_PLAN, reuse=("lm_robustness",),
+    heading="## The closed logit bound: the pilot (language model)")
+SWEEPS["bound_pilot"] = BOUND_PILOT
+
+
 def sweep_config(sweep: Sweep, arm: str, eta: float) -> Config:
   """The arm's configuration at base learning rate eta (its floor eta / 10,
   as every LM run; its Q/K rates eta times its ratios)."""
   hp = {"learning_rate": eta}
   hp.update(sweep.rates(arm, eta))
-  if arm == "stiefel":
+  if arm == "stiefel" or arm in BOUND_ARMS:
     hp["max_step_ratio"] = sweep.cap_ratio
   return point_config(sweep.base, arm, hp, sweep.base.max_iters)
 
