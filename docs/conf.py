@@ -51,7 +51,7 @@ autodoc_preserve_defaults = True
 autodoc_type_aliases = {
     "optax.ScalarOrSchedule": "optax.ScalarOrSchedule",
     "chex.Numeric": "chex.Numeric",
-    "specs_lib.Selector": "stiefel_optax.specs.Selector",
+    "specs_lib.Selector": "stiefel_optax.Selector",
 }
 # Literal blocks are math in ASCII, not code: no highlighting.
 highlight_language = "none"
@@ -59,9 +59,23 @@ highlight_language = "none"
 default_role = "py:obj"
 
 exclude_patterns = ["_build"]
+
+# The preset lists the pages quote, generated from the tuples themselves so
+# that a new preset cannot be left out of the docs.
+_names = lambda names: ", ".join(f"``{n!r}``" for n in names)
+rst_epilog = f"""
+.. |frame_presets| replace:: {_names(stiefel_optax.FRAME_PRESETS)}
+.. |gain_presets| replace:: {_names(stiefel_optax.GAIN_PRESETS)}
+"""
 html_theme = "alabaster"
-html_static_path = []
-html_theme_options = {"nosidebar": False}
+# Alabaster's fixed 940 px page clips long code lines (the index's key line
+# lost its end at 1280 px): a page as wide as the window up to 1400 px, a
+# body with no maximum, and code that scrolls instead of clipping
+# (_static/wide.css).
+html_theme_options = {"nosidebar": False, "page_width": "min(100%, 1400px)",
+                      "body_max_width": "none"}
+html_static_path = ["_static"]
+html_css_files = ["wide.css"]
 
 
 # Defaults as a user passes them. `autodoc_preserve_defaults` keeps the
@@ -89,11 +103,26 @@ def _defaults(obj) -> dict:
   return out
 
 
+# Module constants a signature may name as a default (the source text that
+# `autodoc_preserve_defaults` keeps): shown as their values, so every default
+# reads one way, as a user passes it (`max_step_norm=0.1` everywhere).
+_CONSTANT = re.compile(r"\b(DEFAULT_[A-Z_]+)\b")
+
+
+def _constant_value(match):
+  for module in (stiefel_optax.aliases, stiefel_optax.muon):
+    if hasattr(module, match.group(1)):
+      return repr(getattr(module, match.group(1)))
+  raise ValueError(f"docs/conf.py: no value for {match.group(1)} in a"
+                   " signature: add its module to _constant_value.")
+
+
 def _plain_signature(app, what, name, obj, options, signature,
                      return_annotation):
   del app, what, name, options
   if signature is None:
     return None
+  signature = _CONSTANT.sub(_constant_value, signature)
   for pname, default in _defaults(obj).items():
     if type(default).__name__ in _SENTINELS:
       signature = re.sub(

@@ -16,7 +16,7 @@ from stiefel_optax.muon import (
     ScaleByTangentMsignState, msign, scale_by_tangent_msign, stiefel_muon,
     tangent_msign)
 from stiefel_optax.specs import (
-    FRAME_PRESETS, FrameSpec, check_axis_mapping, equinox_specs,
+    FRAME_PRESETS, FrameSpec, Selector, check_axis_mapping, equinox_specs,
     frame_specs, fused_qkv, haiku_mha, maxtext_fused_qkv, path_str,
     selected_frames)
 from stiefel_optax.views import (
@@ -57,7 +57,7 @@ __all__ = [
     # Combining transforms: a one-pass chain, a partition of the tree.
     "one_pass_chain", "frame_partition", "FramePartitionState",
     # Frame selection.
-    "FrameSpec", "FRAME_PRESETS", "frame_specs", "selected_frames",
+    "FrameSpec", "FRAME_PRESETS", "Selector", "frame_specs", "selected_frames",
     "fused_qkv", "maxtext_fused_qkv", "haiku_mha", "equinox_specs",
     "path_str", "check_axis_mapping",
     # Frame views.
