@@ -2,7 +2,7 @@
 constraint set, and the largest logit a model can produce, certified.
 
 Orthonormal per-head query/key frames bound every attention logit by the
-token norms: |q_i . k_j| / sqrt(r) <= ||x_i|| ||x_j|| / sqrt(r). The tokens
+token norms: abs(q_i . k_j) / sqrt(r) <= ||x_i|| ||x_j|| / sqrt(r). The tokens
 x entering attention come out of a norm layer (LayerNorm or RMSNorm) with a
 trained gain g (and, for LayerNorm, a bias b):
 
@@ -12,8 +12,8 @@ trained gain g (and, for LayerNorm, a bias b):
 and ||n||_2^2 = d var / (var + eps) <= d for every input y and every
 eps >= 0, so ||x|| <= ||g||_inf sqrt(d) + ||b||_2. A gain that trains
 freely lets the bound grow with it; constraining g (`project_gains`: a box
-|g| <= g_max, a sphere ||g||_2 = sqrt(d), or held fixed) closes it:
-|logit| <= (g_max sqrt(d) + ||b||)^2 / sqrt(r).
+abs(g) <= g_max, a sphere ||g||_2 = sqrt(d), or held fixed) closes it:
+abs(logit) <= (g_max sqrt(d) + ||b||)^2 / sqrt(r).
 
 One per-leaf description, `GainSpec` (the feature axis, Gemma's `1 + scale`
 offset, whether the leaf is the norm's bias), given by a preset name, a
@@ -387,7 +387,7 @@ def project_gains(constraint: str = "box", *, gains: GainSelector = None,
                (a zero gain goes to the all-ones gain)
       fixed:   g  <- g                                     (zero update)
 
-  and a selected norm bias b+ = b + u to |b| <= bias_max per coordinate
+  and a selected norm bias b+ = b + u to abs(b) <= bias_max per coordinate
   (fixed: held). Like the retraction, the update returned is
   target - s, so `optax.apply_updates` lands on the projection (to one
   rounding of that addition). Every other leaf's update passes unchanged.
