@@ -21,7 +21,7 @@ DEFAULT_MAX_STEP_NORM = 0.1
 
 
 def _cap_and_retract(max_step_norm, static_max_step_norm: Optional[float],
-                     retraction: str):
+                     retraction: str, master_frames: bool = True):
   """The trust region (if any) and the polar retraction sized for it.
 
   `max_step_norm` is the trust region's radius as given (a float or a
@@ -33,10 +33,12 @@ def _cap_and_retract(max_step_norm, static_max_step_norm: Optional[float],
   (`retract_polar(max_step_norm=None)`).
   """
   if max_step_norm is None:
-    return [transforms.retract_polar(retraction, max_step_norm=None)]
+    return [transforms.retract_polar(retraction, max_step_norm=None,
+                                     master_frames=master_frames)]
   return [transforms.clip_frame_norm(max_step_norm),
           transforms.retract_polar(retraction,
-                                   max_step_norm=static_max_step_norm)]
+                                   max_step_norm=static_max_step_norm,
+                                   master_frames=master_frames)]
 
 
 def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
@@ -44,7 +46,8 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
                  max_step_norm: Optional[float] = DEFAULT_MAX_STEP_NORM,
                  retraction: str = "newton_schulz",
                  mu_dtype: Optional[Any] = None,
-                 orthonormal_start: str = "check"
+                 orthonormal_start: str = "check",
+                 master_frames: bool = True
                  ) -> optax.GradientTransformation:
   """Riemannian Adam on St(d, r), one scalar second moment per frame.
 
@@ -71,6 +74,13 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
     orthonormal_start: "check" (init names a frame that is not
       orthonormal) or "project" (the first step retracts it onto the
       manifold); see `transforms.project_to_tangent`.
+    master_frames: for frames stored below float32 (bfloat16, float16):
+      True (default) keeps a float32 copy of them in the state, which the
+      step starts from and retracts into; the params get that copy rounded
+      to their dtype. Without it a step of norm lr, spread over d x r
+      entries, falls mostly below bf16's rounding spacing and the frames
+      stall (False warns so at init). No effect on float32 and float64
+      frames (their state and updates are as without it).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with the state of the chain
@@ -80,9 +90,11 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
     ``(EmptyState, ScaleByFrameAdamState(count, mu, nu), <lr state>,
     EmptyState, EmptyState)``: [0] the start check, [1] the moments, [2]
     the learning rate's (``ScaleByScheduleState(count)`` for a schedule,
-    else EmptyState), [3] the cap, [4] the retraction; without a cap
-    (max_step_norm=None) entry [3] is the retraction. Checkpoints store
-    this order (pinned by tests/test_state_layout.py).
+    else EmptyState), [3] the cap, [4] the retraction (EmptyState, or
+    `MasterFramesState` with the float32 copies of frames stored below
+    float32); without a cap (max_step_norm=None) entry [3] is the
+    retraction. Checkpoints store this order (pinned by
+    tests/test_state_layout.py).
 
   Raises:
     ValueError: for an invalid `max_step_norm`, `retraction` or
@@ -132,7 +144,7 @@ def stiefel_adam(learning_rate: optax.ScalarOrSchedule,
       [check, transforms.scale_by_frame_adam(b1, b2, eps, mu_dtype=mu_dtype,
                                              project=True)],
       moment, learning_rate, max_step_norm=max_step_norm,
-      retraction=retraction, name="stiefel_adam")
+      retraction=retraction, name="stiefel_adam", master_frames=master_frames)
 
 
 def one_pass_chain(
@@ -142,6 +154,7 @@ def one_pass_chain(
     max_step_norm: Optional[chex.Numeric] = None,
     retraction: str = "newton_schulz",
     name: str = "one_pass_chain",
+    master_frames: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """A Stiefel chain that ends in lr, trust region and retraction, in one pass.
 
@@ -180,6 +193,9 @@ def one_pass_chain(
       None (default): no cap. May be injected (traced).
     retraction: "newton_schulz" (default, matmul only) or "eigh".
     name: the optimizer's name, which its error messages start with.
+    master_frames: frames stored below float32 (bf16, f16) keep a float32
+      copy in the retraction's state and the whole step starts from it
+      (`retract_polar`); no effect on float32 and float64 frames.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with the state of the chain
@@ -189,7 +205,9 @@ def one_pass_chain(
     ``state[:n]`` the n lead links' states, ``state[n]`` the learning
     rate's (``ScaleByScheduleState`` for a schedule, else EmptyState), then
     the cap's EmptyState (only with max_step_norm) and the retraction's
-    EmptyState. Reordering the links breaks saved checkpoints.
+    EmptyState (`transforms.MasterFramesState` where frames are stored
+    below float32, with master_frames). Reordering the links breaks saved
+    checkpoints.
 
   Raises:
     ValueError: for an invalid `max_step_norm` or `retraction` (at once); at
@@ -221,7 +239,8 @@ def one_pass_chain(
       else checks.check_max_step_norm(name, max_step_norm))
   checks.check_choice(name, "retraction", retraction, geometry.RETRACTIONS)
   links = [*lead_links, optax.scale_by_learning_rate(learning_rate),
-           *_cap_and_retract(max_step_norm, static_max_step_norm, retraction)]
+           *_cap_and_retract(max_step_norm, static_max_step_norm, retraction,
+                             master_frames)]
   n = len(lead_links)
   chain_init = optax.chain(*links).init
 
@@ -241,7 +260,10 @@ def one_pass_chain(
     del extra_args    # as optax.chain: no link here takes any
     checks.require_params(params, name)
     checks.check_update_shapes(updates, params, name)
-    m, scale, lead_states = lead(updates, state[:n], params)
+    # The frames the step starts from: params, or their float32 masters
+    # (frames stored below float32, `transforms.start_frames`).
+    frames = transforms.start_frames(state[-1], params)
+    m, scale, lead_states = lead(updates, state[:n], frames)
     if scale is None:
       scale = jax.tree.map(
           lambda w: jnp.ones(w.shape[:-2], geometry.compute_dtype(w.dtype),
@@ -250,13 +272,21 @@ def one_pass_chain(
     s, lr_state = links[n].update(scale, state[n])       # -lr scale
     s, norm = transforms.unzip(jax.tree.structure(updates),
                                jax.tree.map(capped, m, s), 2)
-    u = jax.tree.map(
-        lambda m, s, norm, w, g: transforms.retraction_update(
+    if not isinstance(state[-1], transforms.MasterFramesState):
+      u = jax.tree.map(
+          lambda m, s, norm, w: transforms.retraction_update(
+              m * s[..., None, None], w, retraction, static_max_step_norm,
+              step_norm=norm, out_dtype=w.dtype),
+          m, s, norm, params)
+      # The cap and the retraction keep no state (EmptyState).
+      return u, (*lead_states, lr_state, *state[n + 1:])
+    new = jax.tree.map(
+        lambda m, s, norm, w: transforms.retracted(
             m * s[..., None, None], w, retraction, static_max_step_norm,
-            step_norm=norm, out_dtype=g.dtype),
-        m, s, norm, params, updates)
-    # The cap and the retraction keep no state (EmptyState).
-    return u, (*lead_states, lr_state, *state[n + 1:])
+            step_norm=norm),
+        m, s, norm, frames)
+    u, master = transforms.land(new, state[-1], params)
+    return u, (*lead_states, lr_state, *state[n + 1:-1], master)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -264,7 +294,8 @@ def one_pass_chain(
 def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
                    max_step_norm: Optional[float] = None,
                    retraction: str = "newton_schulz",
-                   orthonormal_start: str = "check"
+                   orthonormal_start: str = "check",
+                   master_frames: bool = True
                    ) -> optax.GradientTransformation:
   """Fixed-step Riemannian SGD: W+ = polar(W - lr P_W(G)).
 
@@ -279,6 +310,7 @@ def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
       None (default): no cap.
     retraction: "newton_schulz" (matmul only, default) or "eigh".
     orthonormal_start: as in `stiefel_adam`.
+    master_frames: as in `stiefel_adam`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with that chain's state; its
@@ -309,4 +341,79 @@ def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
 
   return one_pass_chain([project], tangent, learning_rate,
                         max_step_norm=max_step_norm, retraction=retraction,
-                        name="riemannian_sgd")
+                        name="riemannian_sgd", master_frames=master_frames)
+
+
+# --------------------------------------------------------------------------
+# float16 parameters.
+
+
+def _narrow_float(x) -> bool:
+  """A floating-point leaf whose exponent range is narrower than float32's
+  (float16, the float8 types): squares of its small gradients, and Adam's
+  eps = 1e-8, underflow to zero there. bfloat16 has float32's range."""
+  dtype = getattr(x, "dtype", None)
+  return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+          and jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp)
+
+
+def upcast_float16(inner: optax.GradientTransformation
+                   ) -> optax.GradientTransformationExtraArgs:
+  """`inner` computed in float32 on float16 leaves, its updates cast back.
+
+  For each leaf x of a dtype with a narrower exponent range than float32
+  (float16, float8)::
+
+      state = inner.init(float32(params)),
+      u     = dtype(inner.update(float32(G), state, float32(params)))
+
+  Every other leaf (float32, bfloat16, float64) is handed to `inner` as it
+  is, so where no leaf is float16 the wrapper changes nothing, bit for bit
+  (same state, same updates). Why: `optax.adamw` on float16 parameters
+  divides by sqrt(v) + eps where eps = 1e-8 and every v = g^2 below 6e-8
+  round to zero in float16, so a coordinate with a small gradient gets
+  m / 0 = Inf, one with a zero gradient 0 / 0 = NaN, at the first update
+  and with no error.
+  `stiefel_attention` wraps its default AdamW in it; wrap your own
+  `euclidean_tx` the same way when it runs on float16 leaves. The state of
+  float16 leaves is then float32 (twice the memory of a float16 state).
+
+  Args:
+    inner: any `optax.GradientTransformation` (extra arguments of its
+      update are passed through).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is `inner`'s.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, stiefel_optax as so
+    >>> p = {"w": jnp.ones(3, jnp.float16)}
+    >>> g = {"w": jnp.array([0.0, 1e-3, 1.0], jnp.float16)}
+    >>> tx = optax.adamw(1e-3)                 # v and eps round to 0
+    >>> tx.update(g, tx.init(p), p)[0]["w"]
+    Array([   nan,   -inf, -0.001], dtype=float16)
+    >>> tx = so.aliases.upcast_float16(optax.adamw(1e-3))
+    >>> tx.update(g, tx.init(p), p)[0]["w"]
+    Array([-1.e-07, -1.e-03, -1.e-03], dtype=float16)
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def up(tree):
+    return jax.tree.map(
+        lambda x: x.astype(jnp.float32) if _narrow_float(x) else x, tree)
+
+  def init_fn(params):
+    return inner.init(up(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    new, state = inner.update(up(updates), state,
+                              None if params is None else up(params),
+                              **extra_args)
+    # Back to the parameter's dtype (the update's where there are no
+    # params), on the float16 leaves only.
+    like = updates if params is None else params
+    new = jax.tree.map(
+        lambda u, x: u.astype(x.dtype) if _narrow_float(x) else u, new, like)
+    return new, state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -159,6 +159,9 @@ def _gram_cpu(a: jax.Array, b: jax.Array, out_sharding=None) -> jax.Array:
 
 
 def frame_norm(x: jax.Array) -> jax.Array:
-  """||x||_F per frame; shape x.shape[:-2]."""
+  """||x||_F per frame; shape x.shape[:-2], computed (and returned) in at
+  least float32: a sum of d r squares in bfloat16 would round each partial
+  sum to 8 bits."""
   _check_matrices("frame_norm", "x", x.shape)
+  x = x.astype(compute_dtype(x.dtype))
   return jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1)))

@@ -117,7 +117,10 @@ def stiefel_attention(
       W+ = polar(W + xi)
 
   Every other leaf, and the parts of fused kernels that are not frames, get
-  `optax.adamw`.
+  `optax.adamw`, computed in float32 on float16 leaves and cast back
+  (`aliases.upcast_float16`: in float16 AdamW's eps and small second
+  moments round to zero, and optax.adamw returns NaN); every other dtype
+  exactly as optax.adamw.
 
   Args:
     learning_rate: AdamW's learning rate (float or schedule).
@@ -226,10 +229,11 @@ def stiefel_attention(
       else learning_rate, b1, b2, eps, max_step_norm=max_step_norm,
       retraction=retraction, mu_dtype=mu_dtype,
       orthonormal_start=orthonormal_start)
-  rest = euclidean_tx or optax.adamw(learning_rate, b1, b2,
-                                     _euclidean_eps(eps),
-                                     weight_decay=weight_decay,
-                                     mu_dtype=mu_dtype)
+  # AdamW in float32 on float16 leaves (`aliases.upcast_float16`: optax's
+  # eps and v underflow there, a silent NaN); every other leaf as optax.adamw.
+  rest = euclidean_tx or aliases.upcast_float16(optax.adamw(
+      learning_rate, b1, b2, _euclidean_eps(eps), weight_decay=weight_decay,
+      mu_dtype=mu_dtype))
   tx = partition.frame_partition(inner, rest, frames,
                                  orthonormal_start=orthonormal_start,
                                  stack_frames=stack_frames)

@@ -8,6 +8,8 @@ take global arrays: every process calls them, reads the same values and
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -70,44 +72,76 @@ def max_isometry_error(params, frames: specs_lib.Selector = None) -> jax.Array:
 
 
 def check_frames(params, frames: specs_lib.Selector = None,
-                 atol: float = 1e-5) -> None:
+                 atol: Optional[float] = None) -> None:
   """Checks that every selected frame is on the manifold.
+
+  The tolerance is the one `init`'s start check uses
+  (`checks.start_tolerance`): a frame that `init` accepts passes here, and
+  `orthonormalize`'s frames pass in every dtype. A frame stored in bf16 or
+  float16 is orthonormal only to its dtype's rounding (at worst sqrt(r)
+  eps in ||W^T W - I||_F: 3.1e-2 for bf16 at r = 16), so its tolerance follows
+  its dtype and its column count r.
 
   Args:
     params: a parameter tree.
     frames: the frame selector (`frame_specs`); None: the default "auto".
-    atol: the largest isometry error ||W^T W - I||_F accepted.
+    atol: the largest isometry error ||W^T W - I||_F accepted, for every
+      leaf; None (default): each leaf's dtype-aware tolerance,
+      `checks.start_tolerance(dtype, r)`.
 
   Returns:
     None.
 
   Raises:
     ValueError: naming each selected leaf with a frame off the manifold
-      (isometry error > atol), with its error and shape; or as
-      `frame_specs`.
+      (isometry error > its tolerance), with its error, shape, dtype and
+      tolerance, and the fix; or as `frame_specs`.
 
   Example:
-    >>> import jax, stiefel_optax as so
+    >>> import jax, jax.numpy as jnp, stiefel_optax as so
     >>> w = so.orthonormal_heads_init()(jax.random.key(0), (8, 2, 4))
     >>> so.check_frames({"query": {"kernel": w}})            # passes
+    >>> so.check_frames({"query": {"kernel": w.astype(jnp.bfloat16)}})  # too
     >>> so.check_frames({"query": {"kernel": 2 * w}})
     Traceback (most recent call last):
     ...
     ValueError: check_frames: 1 kernel(s) off the Stiefel manifold ...
   """
-  shapes = {p: tuple(x.shape) for p, x, s in
-            specs_lib.frame_specs(params, frames) if s is not None}
+  selected = [(p, x, s) for p, x, s in specs_lib.frame_specs(params, frames)
+              if s is not None]
   # Each leaf's worst error, read whole on every process (`host_value`): the
   # same decision everywhere.
   worst = {path: float(checks.host_value(jnp.max(e))) for path, e in
            frame_isometry_errors(params, frames).items()}
-  bad = [f"{path} (shape {shapes[path]}): max isometry error {e:.3g}"
-         for path, e in worst.items() if not e <= atol]
-  if bad:
-    raise ValueError(
-        f"check_frames: {len(bad)} kernel(s) off the Stiefel manifold"
-        f" (atol {atol}): " + "; ".join(bad) +
-        ". Call stiefel_optax.orthonormalize(params) before training.")
+  bad, below_rounding = [], []
+  for path, x, spec in selected:
+    r = spec.frame_shape(x.shape, path)[-1]
+    dtype_tol = checks.start_tolerance(x.dtype, r)
+    tol = dtype_tol if atol is None else atol
+    e = worst[path]
+    if not e <= tol:
+      bad.append(f"{path} (shape {tuple(x.shape)}): max isometry error"
+                 f" {e:.3g} > tolerance {tol:.3g} ({jnp.dtype(x.dtype).name},"
+                 f" r = {r})")
+      if e <= dtype_tol:
+        below_rounding.append(f"{jnp.dtype(x.dtype).name} (r = {r}):"
+                              f" {dtype_tol:.3g}")
+  if not bad:
+    return
+  if below_rounding:
+    fix = (" These frames are orthonormal to their dtype's rounding, which"
+           f" atol={atol} asks more of ({'; '.join(below_rounding)}"
+           " is the rounding-aware tolerance): drop atol to use it, or keep"
+           " the frames in float32 (see the README's mixed-precision"
+           " recipe).")
+  else:
+    fix = (" Call params = stiefel_optax.orthonormalize(params, frames=...)"
+           " to put them back on the manifold (it changes the model's"
+           " function); its frames pass this check in every dtype.")
+  raise ValueError(
+      f"check_frames: {len(bad)} kernel(s) off the Stiefel manifold"
+      " (isometry error ||W^T W - I||_F above its tolerance): "
+      + "; ".join(bad) + "." + fix)
 
 
 def frame_movement(old_params, new_params,
@@ -135,7 +169,16 @@ def frame_movement(old_params, new_params,
     Array([4., 4.], dtype=float32)
   """
   # Leaves that are no arrays (an Equinox model's functions, flags) are
-  # never frames: carried as they are.
-  diff = jax.tree.map(lambda a, b: b - a if hasattr(b, "shape") else b,
-                      old_params, new_params)
+  # never frames: carried as they are. The difference is taken in at least
+  # float32: two bf16 frames a step apart differ by a few ulps, which a
+  # bf16 subtraction would round again.
+  def diff_leaf(a, b):
+    if not hasattr(b, "shape"):
+      return b
+    if not jnp.issubdtype(b.dtype, jnp.floating):
+      return b - a
+    cdtype = geometry.compute_dtype(jnp.promote_types(a.dtype, b.dtype))
+    return b.astype(cdtype) - a.astype(cdtype)
+
+  diff = jax.tree.map(diff_leaf, old_params, new_params)
   return _per_frame(geometry.frame_norm, diff, frames)

@@ -136,11 +136,17 @@ def project_tangent(w: jax.Array, g: jax.Array) -> jax.Array:
 def isometry_error(w: jax.Array) -> jax.Array:
   """||W^T W - I||_F per frame: how far each frame is from St(d, r).
 
+  Computed in at least float32 (`compute_dtype`): in bfloat16 the Gram
+  matrix's own rounding (about eps_bf16 per entry, as large as the error
+  it measures) would make the reading unreliable (about 10 % low for
+  frames rounded to bf16).
+
   Args:
     w: frames, shape (..., d, r) with d >= r.
 
   Returns:
-    The isometry error of each frame, shape w.shape[:-2].
+    The isometry error of each frame, shape w.shape[:-2], in
+    `compute_dtype(w.dtype)` (float32 for bf16/f16 frames).
 
   Raises:
     ValueError: if `w` is not (..., d, r) with d >= r >= 1.
@@ -152,6 +158,7 @@ def isometry_error(w: jax.Array) -> jax.Array:
   """
   check_frame_shape(w.shape, "isometry_error: w")
   r = w.shape[-1]
+  w = w.astype(compute_dtype(w.dtype))
   return frame_norm(gram(w) - jnp.eye(r, dtype=w.dtype))
 
 

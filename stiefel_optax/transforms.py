@@ -12,6 +12,7 @@ and leaf checks, and the start check, are in `checks`.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import chex
@@ -22,13 +23,17 @@ import optax
 from stiefel_optax import checks, geometry
 
 
-def _per_frame(fn, *trees):
-  """Applies fn leafwise in the compute dtype; casts back to the first
-  tree's dtypes (the updates)."""
-  def leaf(*xs):
-    cdtype = geometry.compute_dtype(xs[0].dtype)
-    return fn(*(x.astype(cdtype) for x in xs)).astype(xs[0].dtype)
-  return jax.tree.map(leaf, *trees)
+def _per_frame(fn, updates, params, *, with_params: bool = False):
+  """fn(update) (with_params: fn(update, frame)) leafwise, computed in at
+  least float32 (`geometry.compute_dtype` of both dtypes) and cast to the
+  params' dtype: an update has its parameter's dtype, as optax's do, so
+  that bf16 gradients of float32 frames give float32 updates (rounding
+  them to bf16 would round the step's result too)."""
+  def leaf(u, w):
+    cdtype = geometry.compute_dtype(jnp.promote_types(u.dtype, w.dtype))
+    args = (u.astype(cdtype),) + ((w.astype(cdtype),) if with_params else ())
+    return fn(*args).astype(w.dtype)
+  return jax.tree.map(leaf, updates, params)
 
 
 def unzip(treedef, tree, n: int):
@@ -97,7 +102,7 @@ def project_to_tangent(orthonormal_start: str = "check"
     checks.require_params(params, "project_to_tangent")
     checks.check_update_shapes(updates, params, "project_to_tangent")
     return _per_frame(lambda g, w: geometry.project_tangent(w, g),
-                      updates, params), state
+                      updates, params, with_params=True), state
 
   return optax.GradientTransformation(
       _start_init("project_to_tangent", orthonormal_start), update_fn)
@@ -302,8 +307,9 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     checks.check_update_shapes(updates, params, "scale_by_frame_adam")
     m, scale, state = frame_adam_moments(updates, state, params, b1, b2, eps,
                                          transport_momentum, project)
-    u = jax.tree.map(lambda m, s, g: (m * s[..., None, None]).astype(g.dtype),
-                     m, scale, updates)
+    # In the params' dtype (optax's rule), whatever the gradients' dtype.
+    u = jax.tree.map(lambda m, s, w: (m * s[..., None, None]).astype(w.dtype),
+                     m, scale, params)
     return u, state
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -414,7 +420,7 @@ def clip_frame_norm(max_step_norm: chex.Numeric
       factor = cap_factor(geometry.frame_norm(xi), max_step_norm)
       return xi * factor[..., None, None]
 
-    return _per_frame(clip, updates), state
+    return _per_frame(clip, updates, params), state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -431,9 +437,101 @@ def cap_factor(norm, max_step_norm):
 # Polar retraction.
 
 
+class MasterFramesState(NamedTuple):
+  """State of `retract_polar` where some frames are stored below float32.
+
+  Attributes:
+    master: for each frame leaf stored below float32 (bfloat16, float16),
+      its frames in float32 (the leaf's shape); for any other leaf a
+      float32 zero of shape () in its place.
+  """
+  master: optax.Params
+
+
+def needs_master(w) -> bool:
+  """Whether a frame leaf is stored below its compute dtype (bf16, f16)."""
+  return geometry.compute_dtype(w.dtype) != jnp.dtype(w.dtype)
+
+
+def init_master(params, master_frames: bool, name: str):
+  """The retraction link's state: `MasterFramesState` with a float32 copy
+  of the frames stored below float32, when master_frames and there are
+  such frames; else `optax.EmptyState` (float32 and float64 frames: the
+  state is as it always was). With master_frames=False and such frames,
+  a warning says that they stall."""
+  low = [(p, w) for p, w in jax.tree_util.tree_leaves_with_path(params)
+         if needs_master(w)]
+  if not low:
+    return optax.EmptyState()
+  if not master_frames:
+    where = ", ".join(f"{jax.tree_util.keystr(tuple(p)) or '<root>'}"
+                      f" {jnp.dtype(w.dtype).name}" for p, w in low[:4])
+    warnings.warn(
+        f"{name}: frames stored below float32 ({where}"
+        f"{', ...' if len(low) > 4 else ''}) with master_frames=False: a"
+        " step of Frobenius norm lr spreads over d x r entries, most of"
+        " them below the dtype's rounding spacing, so most entries never"
+        " change and the frames stall (bf16 at lr 1e-3: a fraction of"
+        " float32's movement). Keep master_frames=True (a float32 copy of"
+        " the frames in the optimizer state) or keep the parameters in"
+        " float32 and cast them for the forward pass (README, Mixed"
+        " precision).", UserWarning, stacklevel=3)
+    return optax.EmptyState()
+
+  def copy(w):
+    if not needs_master(w):
+      return jnp.zeros((), jnp.float32)
+    cdtype = geometry.compute_dtype(w.dtype)
+    if isinstance(w, jax.ShapeDtypeStruct):   # an abstract init (a restore)
+      return jnp.zeros_like(w, dtype=cdtype)
+    return w.astype(cdtype)
+
+  return MasterFramesState(jax.tree.map(copy, params))
+
+
+def start_frames(state, params):
+  """The frames a step starts from: params, or, for a leaf with a float32
+  master (`MasterFramesState`), the master wherever it still rounds to the
+  stored frame and the stored frame elsewhere (frames changed outside the
+  optimizer, a restore of the params alone, an abstract init's zeros): an
+  out-of-date master is never used."""
+  if not isinstance(state, MasterFramesState):
+    return params
+
+  def leaf(m, w):
+    if not needs_master(w):
+      return w
+    m = geometry.like(m, w)
+    return jnp.where(m.astype(w.dtype) == w, m, w.astype(m.dtype))
+
+  return jax.tree.map(leaf, state.master, params)
+
+
+def land(new, state, params):
+  """(updates, state) taking `params` to the retracted frames `new`
+  (compute dtype). Without a master: new - W in W's dtype. A leaf with a
+  master keeps `new` as its master and gets the update round(new) - W,
+  which `optax.apply_updates` adds exactly (the difference of two nearby
+  bf16 numbers is a bf16 number; where it is not, `start_frames` takes
+  the stored frame at the next step)."""
+  def update(n, w):
+    if not needs_master(w):
+      return (n - w.astype(n.dtype)).astype(w.dtype)
+    return (n.astype(w.dtype).astype(n.dtype) - w.astype(n.dtype)
+            ).astype(w.dtype)
+
+  u = jax.tree.map(update, new, params)
+  if not isinstance(state, MasterFramesState):
+    return u, state
+  master = jax.tree.map(lambda n, m, w: n if needs_master(w) else m,
+                        new, state.master, params)
+  return u, MasterFramesState(master)
+
+
 def retract_polar(method: str = "newton_schulz", *,
                   max_step_norm: Optional[chex.Numeric] = None,
-                  tangent: bool = True) -> optax.GradientTransformation:
+                  tangent: bool = True, master_frames: bool = True
+                  ) -> optax.GradientTransformation:
   """Turns a step xi into the additive update polar(W + xi) - W.
 
   `optax.apply_updates(W, update)` then lands on the retracted frame, for
@@ -458,10 +556,19 @@ def retract_polar(method: str = "newton_schulz", *,
       before it): the fixed count then uses the bound for any step and needs
       max_step_norm < 1; with max_step_norm=None the M-scaled iteration
       runs directly.
+    master_frames: for frames stored below float32 (bfloat16, float16):
+      True (default) keeps a float32 copy of them in the state
+      (`MasterFramesState`), retracts from it and stores the result there,
+      so that steps below the dtype's rounding spacing accumulate instead
+      of being rounded away; the update lands the params on the copy
+      rounded to their dtype. False: retract from the stored frames (a
+      warning at init says that they stall). No effect on float32 and
+      float64 frames.
 
   Returns:
-    An `optax.GradientTransformation` (state `optax.EmptyState`); its update
-    needs params.
+    An `optax.GradientTransformation`; its update needs params. Its state
+    is `optax.EmptyState`, or `MasterFramesState` where a frame is stored
+    below float32 (with master_frames).
 
   Raises:
     ValueError: for an unknown `method` or an invalid `max_step_norm` (at
@@ -496,18 +603,32 @@ def retract_polar(method: str = "newton_schulz", *,
 
   def init_fn(params):
     checks.check_frame_leaves(params, "retract_polar")
-    return optax.EmptyState()
+    return init_master(params, master_frames, "retract_polar")
 
   def update_fn(updates, state, params=None):
     checks.require_params(params, "retract_polar")
     checks.check_update_shapes(updates, params, "retract_polar")
-
-    return jax.tree.map(
-        lambda xi, w: retraction_update(xi, w, method, static_max_step_norm,
-                                        tangent, out_dtype=xi.dtype),
-        updates, params), state
+    if not isinstance(state, MasterFramesState):
+      return jax.tree.map(
+          lambda xi, w: retraction_update(xi, w, method, static_max_step_norm,
+                                          tangent, out_dtype=w.dtype),
+          updates, params), state
+    new = jax.tree.map(
+        lambda xi, w: retracted(xi, w, method, static_max_step_norm, tangent),
+        updates, start_frames(state, params))
+    return land(new, state, params)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def retracted(xi, w, method: str, static_max_step_norm: Optional[float],
+              tangent: bool = True, step_norm=None):
+  """polar(W + xi) for one leaf, in W's compute dtype (`retraction_update`
+  without the difference)."""
+  cdtype = geometry.compute_dtype(w.dtype)
+  return geometry.retract(w.astype(cdtype), xi.astype(cdtype), method,
+                          max_step_norm=static_max_step_norm,
+                          tangent=tangent, step_norm=step_norm)
 
 
 def retraction_update(xi, w, method: str,

@@ -54,23 +54,40 @@ ADAM_LINKS = [("EmptyState", ()),                          # start check
               ("ScaleByFrameAdamState", ("count", "mu", "nu")),
               ("ScaleByScheduleState", ("count",))]        # learning rate
 EMPTY = ("EmptyState", ())
+# The retraction's state where a frame is stored below float32 (issue 55):
+# the float32 master copy of the bf16 leaf 'q', a float32 () placeholder for
+# the float32 leaf 'k' (float32-only trees keep EMPTY there).
+MASTER = ("MasterFramesState", ("master",))
+
+
+def master_leaves(link: int):
+  return [(f"[{link}].master['k']", (), "float32"),
+          (f"[{link}].master['q']", (8, 2), "float32")]
+
 
 LAYOUTS = {
     # (check_orthonormal_start, scale_by_frame_adam, lr, clip, retract)
     "stiefel_adam": (lambda: so.stiefel_adam(LR),
-                     (ADAM_LINKS + [EMPTY, EMPTY], ADAM_LEAVES)),
+                     (ADAM_LINKS + [EMPTY, MASTER],
+                      ADAM_LEAVES + master_leaves(4))),
     # no cap: (check, adam, lr, retract)
     "stiefel_adam, no cap": (lambda: so.stiefel_adam(LR, max_step_norm=None),
-                             (ADAM_LINKS + [EMPTY], ADAM_LEAVES)),
+                             (ADAM_LINKS + [MASTER],
+                              ADAM_LEAVES + master_leaves(3))),
     # a constant rate: its link's state is empty too
     "stiefel_adam, constant lr": (
         lambda: so.stiefel_adam(0.1),
-        (ADAM_LINKS[:2] + [EMPTY, EMPTY, EMPTY], ADAM_LEAVES[:-1])),
+        (ADAM_LINKS[:2] + [EMPTY, EMPTY, MASTER],
+         ADAM_LEAVES[:-1] + master_leaves(4))),
+    # without the float32 master: the retraction's state is empty
+    "stiefel_adam, no master": (
+        lambda: so.stiefel_adam(LR, master_frames=False),
+        (ADAM_LINKS + [EMPTY, EMPTY], ADAM_LEAVES)),
     # (project_to_tangent, lr, clip, retract)
     "riemannian_sgd": (
         lambda: so.riemannian_sgd(LR, max_step_norm=0.1),
-        ([EMPTY, ("ScaleByScheduleState", ("count",)), EMPTY, EMPTY],
-         [("[1].count", (), "int32")])),
+        ([EMPTY, ("ScaleByScheduleState", ("count",)), EMPTY, MASTER],
+         [("[1].count", (), "int32")] + master_leaves(3))),
 }
 
 
