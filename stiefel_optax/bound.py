@@ -28,7 +28,8 @@ GainSpec | None`, selects the gains, as `FrameSpec` selects the frames:
 * ``"nanogpt"``: ``ln_1`` only, in any framework;
 * ``"gemma"``: ``pre_attention_norm/scale``, gain 1 + scale;
 * ``"maxtext"``: ``pre_self_attention_layer_norm/scale`` (and
-  ``pre_self_attention_norm``), shape (embed,) or scanned (embed, layers);
+  ``pre_self_attention_norm``, ``_local`` / ``_global``), shape (embed,)
+  or scanned (embed, layers) (MaxText's default param_scan_axis 1);
 * ``"haliax"``: Levanter's ``input_layernorm`` ``weight`` / ``bias``
   (axis ``embed``);
 * ``"penzai"``: Parameters labelled ``.../pre_attention_norm/scale.weights``
@@ -111,10 +112,14 @@ _EQUINOX = _rules(rf"(^|/)({_NAMES})/weight$", rf"(^|/)({_NAMES})/bias$")
 _HAIKU = _rules(rf"(^|/)({_NAMES})/scale$", rf"(^|/)({_NAMES})/offset$")
 _NANOGPT = _rules(r"(^|/)ln_1/(scale|weight)$", r"(^|/)ln_1/bias$")
 _GEMMA = _rules(r"(^|/)pre_attention_norm/scale$", None, GainSpec(offset=1.0))
-# MaxText scans with param_scan_axis 1: the (embed,) scale becomes
-# (embed, layers), so its feature axis is 0.
-_MAXTEXT = _rules(r"(^|/)pre_self_attention_(layer_)?norm/scale$", None,
-                  GainSpec(axis=0))
+# MaxText scans with param_scan_axis 1 (its default): the (embed,) scale
+# becomes (embed, layers), so its feature axis is 0 (a config with
+# param_scan_axis 0 needs GainSpec(axis=-1)). Its Gemma checkpoints store
+# 1 + scale (the converters add the 1), so the gain is the leaf itself;
+# Gemma 3's interleaved layers add _local / _global.
+_MAXTEXT = _rules(
+    r"(^|/)pre_self_attention_(layer_)?norm(_local|_global)?/scale$", None,
+    GainSpec(axis=0))
 _HALIAX = _rules(r"(^|/)input_layernorm/weight$", r"(^|/)input_layernorm/bias$",
                  GainSpec(axis="embed"))
 # penzai names its Parameters by label; its converters fold Gemma's 1 + into
