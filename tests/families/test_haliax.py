@@ -2,11 +2,15 @@
 
 The real `marin-haliax` package (imports as `haliax`). Levanter's attention
 keeps `q_proj` and `k_proj` as `hnn.Linear`s from the model width `embed`
-to (kv_heads, q_heads_per_group, head_size) (GQA) or (heads, head_size),
-`out_first`: their weights are NamedArrays of axes (kv_heads,
+to (kv_head, q_heads_per_group, head_size) and (kv_head, head_size),
+`out_first`: their weights are NamedArrays of axes (kv_head,
 q_heads_per_group, head_size, embed), under `hnn.Stacked` with a leading
-`layers` axis, and their tree paths end in `/weight/0` (`path_str` drops the
-`/0`). The default selector finds them by module type (an `hnn.Linear`
+`layer` axis (Levanter's own names: `levanter/layers/attention.py`,
+`AttentionConfig.KVHeads` / `QHeadsPerGroup` / `HeadSize` / `Heads`;
+`levanter/models/llama.py`, `LlamaConfig.Layers`; Levanter itself needs
+Python >= 3.12, so the modules are built here from haliax with its names),
+and their tree paths end in `/weight/0` (`path_str` drops the `/0`). A
+plain-Haliax MHA layout, (heads, head_size), is tested too. The default selector finds them by module type (an `hnn.Linear`
 named q_proj / k_proj) and axis names (rows its `In`, columns `head_size`,
 every other axis a batch of frames), with no mapping.
 
@@ -38,13 +42,13 @@ Embed, Vocab, Pos = hax.Axis("embed", 16), hax.Axis("vocab", 13), hax.Axis(
     "position", 6)
 KPos = Pos.alias("key_position")
 HeadSize, Mlp, Layers, Batch = (hax.Axis("head_size", 4), hax.Axis("mlp", 32),
-                                hax.Axis("layers", 2), hax.Axis("batch", 2))
+                                hax.Axis("layer", 2), hax.Axis("batch", 2))
 LR, STEPS = 1e-2, 8
 ADAMW = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
 
 # (query head axes, key/value head axes): Levanter's GQA, and plain MHA.
-GQA = ((hax.Axis("kv_heads", 2), hax.Axis("q_heads_per_group", 2)),
-       (hax.Axis("kv_heads", 2),))
+GQA = ((hax.Axis("kv_head", 2), hax.Axis("q_heads_per_group", 2)),
+       (hax.Axis("kv_head", 2),))
 MHA = ((hax.Axis("heads", 4),), (hax.Axis("heads", 4),))
 
 
@@ -181,12 +185,12 @@ def test_default_and_preset_select_the_qk_weights_by_axis_names(case):
 
 
 def test_levanter_gqa_layout_and_paths():
-  """Levanter's q_proj weight is (kv_heads, q_heads_per_group, head_size,
-  embed); stacked, (layers, ...); the path has no trailing /0."""
+  """Levanter's q_proj weight is (kv_head, q_heads_per_group, head_size,
+  embed); stacked, (layer, ...); the path has no trailing /0."""
   model = Model.init(GQA, True, key=jax.random.key(0))
   w = model.layers.stacked.self_attn.q_proj.weight
   assert tuple(a.name for a in w.axes) == (
-      "layers", "kv_heads", "q_heads_per_group", "head_size", "embed")
+      "layer", "kv_head", "q_heads_per_group", "head_size", "embed")
   (path, _), = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(model)
                 if x is w.array]
   assert isinstance(path[-1], jax.tree_util.FlattenedIndexKey)
@@ -273,3 +277,67 @@ def test_named_specs_need_named_arrays():
       r" \('heads', 'head_size', 'embed'\) \(no such name\)")):
     so.selected_frames(model, {r"q_proj/weight$": so.FrameSpec(
         rows="embd", cols="head_size")})
+
+
+# --------------------------------------------------------------------------
+# Axis names: docs/families.md and sharding maps use Levanter's own names.
+
+# Levanter's axis names (levanter/layers/attention.py, AttentionConfig:
+# KVHeads "kv_head", QHeadsPerGroup "q_heads_per_group", HeadSize
+# "head_size", Heads "heads"; levanter/models/llama.py, LlamaConfig: Embed
+# "embed", Layers "layer", Mlp "mlp"; Pos "position", KeyPos "key_position").
+LEVANTER_AXES = {"embed", "kv_head", "q_heads_per_group", "head_size", "heads",
+                 "layer", "mlp", "position", "key_position", "batch", "vocab"}
+
+
+def _haliax_doc_blocks():
+  import re
+  from tests.helpers import ROOT
+  text = (ROOT / "docs" / "families.md").read_text(encoding="utf-8")
+  blocks = re.findall(r"^```python[ \t]*\n(.*?)^```[ \t]*$", text, re.S | re.M)
+  return [b for b in blocks if "import haliax" in b]
+
+
+def test_family_docs_use_levanters_axis_names():
+  """Every haliax axis and every sharding-map key in the docs is one of
+  Levanter's own names: a map written with other names ("layers",
+  "kv_heads") shards nothing on Levanter's real Llama."""
+  import re
+  blocks = _haliax_doc_blocks()
+  assert len(blocks) == 2                         # training, and sharded
+  for block in blocks:
+    names = set(re.findall(r'hax\.Axis\("(\w+)"', block))
+    for call in re.findall(r"flatten_axes\((.*)\)", block):
+      names |= set(re.findall(r'"(\w+)"', call))
+    assert {"embed", "head_size"} <= names, names
+    assert names <= LEVANTER_AXES, names - LEVANTER_AXES
+  (mapping,) = re.findall(r"check_axis_mapping\(\s*arrays, (\{[^}]*\})",
+                          blocks[1])
+  keys = set(re.findall(r'"(\w+)":', mapping))
+  assert keys == {"kv_head", "heads"}, keys
+
+
+def test_an_axis_mapping_with_other_names_raises_instead_of_sharding_nothing():
+  model = Model.init(GQA, True, key=jax.random.key(0))
+  arrays = eqx.filter(model, eqx.is_inexact_array)
+  mesh = jax.make_mesh((1,), ("model",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  q_spec = lambda sh: tuple(sh.layers.stacked.self_attn.q_proj.weight.spec)
+  # Haliax shards by the names it finds and ignores the others: silently.
+  wrong = {"kv_heads": "model", "layers": None}
+  sh = hax.partitioning.infer_resource_partitions(arrays, wrong, mesh=mesh)
+  assert all(e is None for e in q_spec(sh))
+  with pytest.raises(ValueError, match=(
+      r"axis mapping \{'kv_heads': 'model', 'layers': None\}: 'kv_heads'"
+      r" names no axis \(closest: 'kv_head'.*\)\. The tree's axes are \[.*"
+      r"'kv_head'.*'layer'.*\]")):
+    so.check_axis_mapping(arrays, wrong)
+  with pytest.raises(ValueError, match=r"'layers' names no axis \(closest:"
+                     r" 'layer'"):
+    so.check_axis_mapping(arrays, [("layers", "data")])
+  # Levanter's names: checked, and the q/k weights split over kv_head.
+  right = so.check_axis_mapping(arrays, {"kv_head": "model"})
+  sh = hax.partitioning.infer_resource_partitions(arrays, right, mesh=mesh)
+  assert q_spec(sh)[1] == "model"                 # (layer, kv_head, ...)
+  with pytest.raises(ValueError, match=r"carries no axis names"):
+    so.check_axis_mapping({"w": jnp.zeros((2, 2))}, right)
