@@ -30,8 +30,8 @@ GainSpec | None`, selects the gains, as `FrameSpec` selects the frames:
 * ``"maxtext"``: ``pre_self_attention_layer_norm/scale`` (and
   ``pre_self_attention_norm``, ``_local`` / ``_global``), shape (embed,)
   or scanned (embed, layers) (MaxText's default param_scan_axis 1);
-* ``"haliax"``: Levanter's ``input_layernorm`` ``weight`` / ``bias``
-  (axis ``embed``);
+* ``"haliax"``: Levanter's ``input_layernorm`` (Llama-style) and ``ln_1``
+  (GPT-2) ``weight`` / ``bias`` (axis ``embed``);
 * ``"penzai"``: Parameters labelled ``.../pre_attention_norm/scale.weights``
   and ``.../pre_attention_norm/shift.bias`` (axis ``embedding``);
 * ``"auto"``: every name above (Gemma's offset where the tree holds Gemma's
@@ -120,8 +120,11 @@ _GEMMA = _rules(r"(^|/)pre_attention_norm/scale$", None, GainSpec(offset=1.0))
 _MAXTEXT = _rules(
     r"(^|/)pre_self_attention_(layer_)?norm(_local|_global)?/scale$", None,
     GainSpec(axis=0))
-_HALIAX = _rules(r"(^|/)input_layernorm/weight$", r"(^|/)input_layernorm/bias$",
-                 GainSpec(axis="embed"))
+# Levanter: Llama-style decoders' input_layernorm, GPT-2's ln_1 (hnn
+# LayerNorm / RmsNorm weight and bias, axis "embed"; under Stacked a leading
+# layers axis).
+_HALIAX = _rules(r"(^|/)(input_layernorm|ln_1)/weight$",
+                 r"(^|/)(input_layernorm|ln_1)/bias$", GainSpec(axis="embed"))
 # penzai names its Parameters by label; its converters fold Gemma's 1 + into
 # the stored weights, so the gain is the leaf itself.
 _PENZAI = _rules(r"(^|/)pre_attention_norm/scale\.weights$",
