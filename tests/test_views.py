@@ -43,6 +43,16 @@ CASES = [
     # gemma qkv_einsum (3, N, D, H): q and k.
     (FrameSpec(-2, -1, parts=3, take=(0, 1), part_axis=0), (3, 2, 8, 2),
      (2, 1, 2, 8, 2), lambda k, i: k[i // 2, i % 2]),
+    # transformers' Flax GPT-2 c_attn, stored (3 * heads * hd, d).
+    (so.fused_qkv(2, transposed=True), (12, 8), (2, 2, 8, 2),
+     lambda k, i: k[4 * (i // 2) + 2 * (i % 2):][:2].T),
+    # MaxText fused qkv_proj, scanned GQA (embed, layers, 2 q + 1 k + 1 v,
+    # hd): the q and k heads, not the v head.
+    (so.maxtext_fused_qkv(2, 1), (8, 2, 4, 2), (3, 2, 1, 8, 2),
+     lambda k, i: k[:, i % 2, i // 2]),
+    # ... over 2 tensor shards, heads [q k v | q k v].
+    (so.maxtext_fused_qkv(2, 2, tensor_parallelism=2), (8, 6, 2),
+     (4, 1, 8, 2), lambda k, i: k[:, (0, 1, 3, 4)[i]]),
     # non-contiguous parts (0, 2) of 3 along the columns.
     (FrameSpec(0, 1, parts=3, take=(0, 2)), (8, 6), (2, 8, 2),
      lambda k, i: k[:, 4 * i:4 * i + 2]),

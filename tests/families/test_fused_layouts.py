@@ -173,6 +173,27 @@ def test_maxtext_fused_qkv_with_tensor_parallelism_takes_each_shards_heads():
     so.maxtext_fused_qkv(4, 2, tensor_parallelism=4)
 
 
+def test_fused_qkv_proj_sharded_over_its_heads_is_refused():
+  """Sharded over tensor parallelism, which heads are q and k depends on the
+  shard count: the default does not guess (an abstract mesh of 2 shards,
+  so that no devices are needed)."""
+  from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+  tree = maxtext_fused(4, 2)
+  attn = tree["decoder"]["layers"]["self_attention"]
+  kernel = attn["qkv_proj"]["kernel"]
+  attn["qkv_proj"]["kernel"] = jax.ShapeDtypeStruct(
+      kernel.shape, kernel.dtype, sharding=NamedSharding(
+          AbstractMesh((2,), ("tensor",)), P(None, None, "tensor", None)))
+  with pytest.raises(ValueError, match=(
+      r"qkv_proj/kernel: shape \(32, 2, 8, 8\), MaxText's fused q/k/v kernel"
+      r" \(Nq = 4, Nkv = 2\), has its heads axis sharded 2 ways.*"
+      r"maxtext_fused_qkv\(4, 2, tensor_parallelism=T\)")):
+    so.selected_frames(tree)
+  spec = so.maxtext_fused_qkv(4, 2, tensor_parallelism=2)
+  assert so.selected_frames(tree, {r"qkv_proj/kernel$": spec}) == {
+      "decoder/layers/" + QKV: spec}
+
+
 def test_fused_qkv_proj_without_its_out_kernel_names_the_fix():
   tree = maxtext_fused(4, 2)
   del tree["decoder"]["layers"]["self_attention"]["out"]
