@@ -11,8 +11,14 @@ leaf; it is one of
   ``"haliax"`` (Levanter's ``q_proj``/``k_proj`` ``haliax.nn.Linear``s, by
   their axis names), ``"penzai"`` (penzai's query/key Parameters, by label
   and axis names), or ``"auto"`` (the default, ``None``), which recognises
-  all of them by paths and shapes, module types and axis names;
+  all of them by paths and shapes, module types and axis names, and never
+  leaves a leaf that looks like a query/key projection (`looks_like_qk`)
+  to the Euclidean transform silently: it selects it or raises, naming it;
 * ``haiku_mha(num_heads)``, a mapping for ``hk.MultiHeadAttention``;
+* ``fused_qkv(num_heads, transposed=False)`` for a fused (d, 3 d) kernel
+  (transposed: transformers' Flax GPT-2's (3 d, d)), and
+  ``maxtext_fused_qkv(num_query_heads, num_kv_heads)`` for MaxText's fused
+  ``qkv_proj`` (which "maxtext" and the default take by themselves);
 * a mapping ``{path_regex: FrameSpec | None}`` (regexes searched in the
   '/'-joined path; every entry must match a leaf);
 * a callable ``(path, leaf) -> FrameSpec | None``;
@@ -1328,8 +1334,11 @@ def frame_specs(params, frames: Selector = None) -> list:
   Raises:
     ValueError: naming the path, the shape and a spec that fits, when a
       leaf's layout cannot be decided, a spec does not fit its leaf (r > d,
-      parts or heads that do not divide), a mapping entry matches no leaf,
-      nothing is selected at all, or `params` is None or empty.
+      parts or heads that do not divide, a fused spec on the transposed
+      orientation), a mapping entry matches no leaf, nothing is selected at
+      all (listing every leaf that looks like an attention projection), the
+      default leaves a query/key lookalike unselected, or `params` is None
+      or empty.
 
   Example:
     >>> import jax.numpy as jnp, stiefel_optax as so
@@ -1411,11 +1420,13 @@ def _refuse_unselected_qk(out):
   keep = ", ".join(f"{_regex_of(ps)!r}: {spec}" for spec, ps in chosen.items())
   names = ", ".join(_describe_leaf(p, x) for p, x in missed)
   n = sum(map(len, chosen.values()))
+  looks = ("it looks like a query/key projection" if len(missed) == 1 else
+           "they look like query/key projections")
   raise ValueError(
       f"frames: the default (auto) selects {n}"
       f" {'leaf' if n == 1 else 'leaves'} as frames"
       f" but leaves {names} on AdamW, though"
-      f" {'it looks like a query/key projection' if len(missed) == 1 else 'they look like query/key projections'}"
+      f" {looks}"
       " (a second tower, or a layout the default does not know). Name every"
       " query/key kernel: pass frames={"
       f"{keep}, {_regex_of([p for p, _ in missed])!r}: FrameSpec(rows=<input"
