@@ -280,3 +280,27 @@ def test_the_library_imports_neither_haliax_nor_penzai():
           "stiefel_optax.selected_frames({'a/query/kernel': jnp.zeros((8, 2, 4))}); "
           "assert not {'haliax', 'penzai'} & set(sys.modules), sys.modules")
   subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_query_key_lookalikes_and_what_is_not_one():
+  """What the default refuses to leave on AdamW: floating kernels (rank >= 2)
+  under a query/key projection's name, in any case; never a bias, a norm
+  scale, a PRNG key or a vector."""
+  look = so.specs.looks_like_qk
+  w = jnp.zeros((8, 8))
+  for path in ("enc/query/kernel", "model/layers/0/self_attn/q_proj/kernel",
+               "blk/attention/Wqkv/weight", "h/0/attn/c_attn/kernel",
+               "layer_0/attn/kv_einsum/w", "blocks/W_K", "attn/in_proj/w"):
+    assert look(path, w), path
+  for path, x in (("enc/query/bias", w), ("attn/q_proj/b", w),
+                  ("attn/_query_norm/scale", jnp.zeros(8)),
+                  ("rngs/default/key", jnp.zeros((2, 2), jnp.uint32)),
+                  ("attn/query/kernel", jnp.zeros(8)),
+                  ("attn/value/kernel", w), ("mlp/wi_0/kernel", w)):
+    assert not look(path, x), path
+  # A tree whose lookalikes the default selects passes untouched.
+  tree = {"attn": {"query": {"kernel": jnp.zeros((8, 2, 4)),
+                             "bias": jnp.zeros((2, 4))},
+                   "key": {"kernel": jnp.zeros((8, 2, 4))}}}
+  assert set(so.selected_frames(tree)) == {"attn/query/kernel",
+                                           "attn/key/kernel"}
