@@ -206,6 +206,31 @@ def _inv_sqrt_eigh(m: jax.Array) -> jax.Array:
   inv_root = jax.lax.rsqrt(jnp.maximum(lam, tiny))
   return (v * inv_root[..., None, :]) @ jnp.swapaxes(v, -1, -2)
 
+def _wider_than_float32(dtype) -> bool:
+  """Whether `retract` takes the step norm from xi itself, ignoring a
+  caller's `step_norm`: in compute dtypes finer than float32 (float64).
+
+  The Newton–Schulz scale c (from the step norm) enters twice, in
+  Y = M/c and in the unscale Q = A Z / sqrt(c); the certificate checks
+  Z Y only, so the two must read the same c. XLA does not promise that:
+  it recomputes a cheap per-frame scalar inside each fusion that consumes
+  it, and copies of a float32 value (an optax schedule under x64 returns
+  float32, which reaches a caller's step norm through the learning rate)
+  can differ by a float32 ulp, e.g. where LLVM contracts
+  (1 - t/T) (a - b) + b into an FMA in one kernel and not in another. A
+  float64 frame then came back with ||Q^T Q - I||_F ~ 2e-9 under a passed
+  certificate (XLA_FLAGS="--xla_backend_optimization_level=0
+  --xla_cpu_use_fusion_emitters=false", `stiefel_adam` on
+  `optax.linear_schedule`; tests/test_geometry.py,
+  test_retract_float64_scale_is_consistent). The norm of xi is a reduction,
+  computed once, and what follows it is float64 arithmetic, whose copies
+  agree to float64 rounding. In float32 the copies agree to float32
+  rounding, which the acceptance tolerance already allows, so float32
+  (and bf16/f16, computed in float32) keeps the caller's norm and its
+  one pass fewer over xi."""
+  return bool(jnp.finfo(dtype).eps < jnp.finfo(jnp.float32).eps)
+
+
 def _check_method(fn: str, method: str) -> None:
   if method not in RETRACTIONS:
     raise ValueError(
@@ -320,7 +345,9 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
       already has it (`stiefel_adam` takes it from its momentum), so that
       xi is not read once more; None: computed here. Only the Newton–Schulz
       scale uses it, and the certificate checks the result, so a value off
-      by rounding (or by more) costs at most the fallback.
+      by rounding (or by more) costs at most the fallback. Float32
+      compute only: float64 measures xi itself and ignores it
+      (`_wider_than_float32` says why).
 
   Returns:
     The retracted frames polar(W + xi), of the shape and dtype of `w`
@@ -356,11 +383,11 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
     inf = reshard_to(jnp.full(m.shape[:-2], jnp.inf, cdtype),
                      frame_scalar_sharding(m))
     return _certified_polar(a, m, eye, inf).astype(w.dtype)
-  if step_norm is None:
-    step_norm = frame_norm(xi_c)
-  else:
+  if step_norm is not None:
     check_same_shape("retract", "step_norm", jnp.shape(step_norm),
                      "the frames of xi", xi.shape[:-2])
+  if step_norm is None or _wider_than_float32(cdtype):
+    step_norm = frame_norm(xi_c)
   lo, hi = step_spectrum(jnp.asarray(step_norm, cdtype), tangent)
   c = 0.5 * (lo + hi)
   tol = newton_schulz_tol(cdtype)

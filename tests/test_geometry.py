@@ -552,6 +552,37 @@ def test_retract_takes_the_callers_step_norm():
     geometry.retract(w, xi, step_norm=jnp.zeros(2))
 
 
+def test_retract_float64_scale_is_consistent(x64):
+  """A float64 retraction lands on St(d, r) to float64 rounding when the
+  caller's step norm comes from a float32 learning rate (an optax schedule
+  under x64), as in `stiefel_adam`'s one-pass update. The Newton–Schulz
+  scale c enters Y = M/c and the unscale rsqrt(c); XLA recomputed c in
+  each fusion, from copies of the float32 schedule value that differed by
+  one ulp (an FMA in one kernel, none in the other, under the suite's
+  XLA flags, conftest.py), so the frame came back 1.3e-9 off the manifold
+  under a passed certificate (counts 1 and 2 of this schedule are the
+  ones whose two roundings differ). float64 now measures xi itself, so a
+  caller's norm cannot move the result at all, under any flags: a wrong
+  one (0.06 for 0.0858) gives the same frame bit for bit."""
+  w = so.random_frames(jax.random.key(0), (2, 8, 4), jnp.float64)
+  g = geometry.project_tangent(
+      w, jax.random.normal(jax.random.key(1), w.shape, jnp.float64))
+  unit = g / geometry.frame_norm(g)[..., None, None]
+  schedule = optax.linear_schedule(0.3, 0.02, 20)       # float32 under x64
+
+  @jax.jit
+  def step(count, norm):
+    s = -0.3 * schedule(count) * jnp.ones(2, jnp.float64)   # |s| < 0.1
+    xi = unit * s[..., None, None]
+    return (geometry.retract(w, xi, max_step_norm=0.1, step_norm=jnp.abs(s)),
+            geometry.retract(w, xi, max_step_norm=0.1, step_norm=norm))
+
+  from_lr, off = step(jnp.int32(1), jnp.full(2, 0.06))    # |s| = 0.0858
+  accept = newton_schulz.newton_schulz_accept_tol(jnp.float64, 4)
+  assert float(jnp.max(so.isometry_error(from_lr))) <= accept
+  np.testing.assert_array_equal(off, from_lr)
+
+
 # ---------------------------------------------------------------------------
 # Errors naming the shape
 
