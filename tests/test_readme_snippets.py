@@ -127,11 +127,25 @@ def test_python_block_runs(page, index, monkeypatch):
   trained = _trained(ns)
   if trained is None:
     return                      # not a training snippet: running it is the test
+  _check_trained(ns, trained, starts)
+
+
+def _check_trained(ns, trained, starts, dtype=None):
+  """The trained snippet's Q/K frames are orthonormal (float32: to 1e-5;
+  below float32: to their dtype's rounding, `check_frames`' tolerance),
+  moved from where `orthonormalize` put them, and the Stiefel group's
+  moments are set; `dtype`: every frame leaf has it."""
   params, opt_state, steps = trained
   assert steps >= 1
   errs = so.frame_isometry_errors(params, ns.get("frames"))
   assert errs, "no query/key frame found in the snippet's model"
-  assert max(float(jnp.max(e)) for e in errs.values()) <= 1e-5
+  so.check_frames(params, ns.get("frames"))   # the dtype-aware tolerance
+  kernels = {p: x for p, x, s in so.frame_specs(params, ns.get("frames"))
+             if s is not None}
+  for path, e in errs.items():
+    assert dtype is None or kernels[path].dtype == dtype, path
+    if kernels[path].dtype == jnp.float32:
+      assert float(jnp.max(e)) <= 1e-5, path
   # The frames moved: each Q/K leaf differs from where orthonormalize put it.
   jax.effects_barrier()         # the values recorded inside jax.jit
   start = [s for s in starts if set(errs) <= set(s)]
@@ -155,3 +169,42 @@ def test_python_block_runs(page, index, monkeypatch):
   assert set(nu) == set(errs)
   assert all(v.shape == errs[p].shape and float(jnp.min(v)) > 0
              for p, v in nu.items())
+
+
+# The two one-line-switch snippets (a linen TrainState, an nnx.Optimizer).
+SWITCH = [index for index, block in enumerate(python_blocks())
+          if "orthonormalize(" in block and ("TrainState.create(" in block
+                                             or "nnx.Optimizer(" in block)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("index", SWITCH)
+def test_switch_snippets_run_as_written_with_low_precision_params(
+    index, dtype, monkeypatch):
+  """The README's switch snippets, unchanged, with the parameters stored in
+  bf16 (gemma's default) or float16: `orthonormalize` hands them back in
+  that dtype, and the snippet trains, ends with its own `check_frames`
+  (which raised on bf16 frames before), and leaves finite parameters in
+  that dtype whose frames moved (float16: optax.adamw's first update was
+  NaN before)."""
+  assert len(SWITCH) >= 2
+  low = jnp.dtype(dtype)
+  starts = _record_orthonormalize(monkeypatch)
+  recording = so.orthonormalize
+
+  def orthonormalize_low(*args, **kwargs):
+    out = recording(*args, **kwargs)
+    return jax.tree.map(
+        lambda x: x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating)
+        else x, out)
+
+  monkeypatch.setattr(so, "orthonormalize", orthonormalize_low)
+  ns = {"__name__": "__main__"}
+  exec(compile(python_blocks()[index],
+               f"README.md[python block {index}, {dtype} params]", "exec"), ns)
+  trained = _trained(ns)
+  assert trained is not None
+  params = trained[0]
+  assert all(bool(jnp.isfinite(x).all()) for x in _arrays(params).values())
+  _check_trained(ns, trained, [{p: np.asarray(x).astype(low) for p, x in
+                                s.items()} for s in starts], dtype=low)
