@@ -587,6 +587,18 @@ def retract_polar(method: str = "newton_schulz", *,
     >>> u, _ = tx.update(xi, tx.init(w), w)
     >>> bool(so.isometry_error(optax.apply_updates(w, u)) < 1e-5)
     True
+
+    bf16 frames step from a float32 copy, which a step far below bf16's
+    spacing still moves:
+
+    >>> import jax.numpy as jnp
+    >>> w16 = w.astype(jnp.bfloat16)
+    >>> state = tx.init(w16)
+    >>> type(state).__name__, state.master.dtype
+    ('MasterFramesState', dtype('float32'))
+    >>> _, state = tx.update(1e-3 * xi, state, w16)
+    >>> bool(jnp.any(state.master != w16.astype(jnp.float32)))
+    True
   """
   checks.check_choice("retract_polar", "method", method, geometry.RETRACTIONS)
   # static_max_step_norm: max_step_norm as a Python float when it is
