@@ -345,3 +345,34 @@ def test_master_lands_exactly_and_yields_to_changed_params():
   other = so.random_frames(jax.random.key(11), w.shape).astype(jnp.bfloat16)
   np.testing.assert_array_equal(transforms.start_frames(state[-1], other),
                                 other.astype(jnp.float32))
+
+
+def test_one_pass_master_equals_its_chain():
+  """bf16 frames with the float32 master: `stiefel_adam`'s one-pass update
+  and its explicit chain (whose links round the step to bf16 in between;
+  only its retraction has the master) keep masters equal to that rounding
+  (2^-8 of a step, a step being <= 0.1 here) and land the frames within one
+  bf16 spacing of each other."""
+  w = so.random_frames(jax.random.key(12), (3, 16, 4)).astype(jnp.bfloat16)
+  one = so.stiefel_adam(0.05)
+  ref = optax.chain(so.check_orthonormal_start(),
+                    so.scale_by_frame_adam(project=True),
+                    optax.scale_by_learning_rate(0.05), so.clip_frame_norm(0.1),
+                    so.retract_polar(max_step_norm=0.1))
+  s_one, s_ref = one.init(w), ref.init(w)
+  assert jax.tree.structure(s_one) == jax.tree.structure(s_ref)
+  for t in range(3):
+    g = jax.random.normal(jax.random.key(20 + t), w.shape).astype(jnp.bfloat16)
+    u_one, s_one = one.update(g, s_one, w)
+    u_ref, s_ref = ref.update(g, s_ref, w)
+    m_one, m_ref = s_one[-1].master, s_ref[-1].master
+    # Each step entry is <= 0.1 (the cap) and the chain rounds it to bf16
+    # twice (2^-8 relative each): 4 such roundings is the margin.
+    assert float(jnp.max(jnp.abs(m_one - m_ref))) <= 4 * 0.1 * 2.0 ** -8, t
+    new_one = optax.apply_updates(w, u_one).astype(jnp.float32)
+    new_ref = optax.apply_updates(w, u_ref).astype(jnp.float32)
+    # eps |x| >= one bf16 spacing at x.
+    spacing = eps(jnp.bfloat16) * jnp.maximum(jnp.abs(new_one),
+                                              jnp.abs(new_ref))
+    assert bool(jnp.all(jnp.abs(new_one - new_ref) <= spacing)), t
+    w = optax.apply_updates(w, u_one)
