@@ -310,7 +310,9 @@ def riemannian_sgd(learning_rate: optax.ScalarOrSchedule, *,
       None (default): no cap.
     retraction: "newton_schulz" (matmul only, default) or "eigh".
     orthonormal_start: as in `stiefel_adam`.
-    master_frames: as in `stiefel_adam`.
+    master_frames: True (default): frames stored below float32 keep a
+      float32 copy in the retraction's state, which the step starts from
+      (see `stiefel_adam`); no effect on float32 and float64 frames.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with that chain's state; its
