@@ -82,8 +82,12 @@ SLINGSHOT = Config(d_model=128, num_heads=4, d_mlp=512, num_layers=2,
                    learning_rate=1e-3, b1=0.9, b2=0.98, eps=1e-8,
                    warmup_steps=10, batch_size=512, weight_decay=1.0,
                    log_every=100)
+FRAC03 = Config(train_fraction=0.3)
 PRESETS = {"default": DEFAULT, "full": DEFAULT, "quick": QUICK,
            # the two five-seed studies (study.PAIRED): the default model
-           "frac0.5": DEFAULT, "frac0.3": Config(train_fraction=0.3),
+           "frac0.5": DEFAULT, "frac0.3": FRAC03,
+           # the main job's reduced train-fraction-0.3 cell (study.MAIN_JOB):
+           # frac0.3's configuration, so its runs share those runs' identity
+           "frac0.3_demo": FRAC03,
            "slingshot": SLINGSHOT}
 

@@ -293,3 +293,58 @@ def test_slingshot_arms_decay_only_where_they_say():
       "--set", "arms=adam,stiefel_nodecay,stiefel_targeted,adamw_targeted"]))
   assert study.arms == ("adam", "stiefel_nodecay", "stiefel_targeted",
                         "adamw_targeted")
+
+
+def test_main_job_plans_both_cells(tmp_path):
+  """`python -m benchmarks.grokking` (nothing named) plans the main job's
+  two cells (study.MAIN_JOB), no training here: the confirmed finding
+  reduced (frac0.3's configuration, so its runs share the committed
+  study's identity, its discovery seeds cut to 2000 steps) and the 0.1.0
+  list at train fraction 0.5, each in its own folder under runs/. The
+  committed frac0.3 runs, cut to the demo's 2000 steps, already show it:
+  stiefel ahead on final val acc on 5 of 5 seeds; the summary names the
+  confirmed finding, the null and the committed studies."""
+  from benchmarks.grokking import study as study_lib
+  opts = driver.parse(grokking.EXPERIMENT, [])
+  assert grokking.experiment.is_main_job(opts)
+  for argv in (["--preset", "default"], ["--quick"], ["--seeds", "0"],
+               ["--set", "steps=50"], ["--out", str(tmp_path)]):
+    assert not grokking.experiment.is_main_job(
+        driver.parse(grokking.EXPERIMENT, argv)), argv
+  (demo, (cfg3, study3, out3, _)), (null, (cfg5, study5, out5, _)) = (
+      grokking.experiment.main_job(opts))
+  assert (demo.preset, null.preset) == ("frac0.3_demo", "default")
+  assert (out3, out5) == (harness.RUNS_ROOT / "grokking" / "frac0.3_demo",
+                          harness.RUNS_ROOT / "grokking" / "default")
+  assert cfg3 == grokking.PRESETS["frac0.3"] and cfg3.train_fraction == 0.3
+  assert study3 == study_lib.PairedStudy(steps=2000, seeds=(0, 1, 2, 3, 4))
+  assert study_lib.jobs(cfg3, study3, None) == [
+      (arm, seed, 2000) for seed in range(5) for arm in ("adamw", "stiefel")]
+  assert (cfg5, study5) == (grokking.Config(), grokking.STUDIES["default"])
+  assert len(study_lib.jobs(cfg5, study5, None)) == 15
+  committed = harness.REFERENCE_ROOT / "grokking" / "frac0.3"
+  ident = harness.run_identity(cfg3.to_dict(), data.data_id(cfg3.p, cfg3.op))
+  assert json.loads((committed / "runs" / "stiefel_seed0.json").read_text())[
+      "identity"] == ident
+  # the demo's numbers as the committed runs give them (their first 2000
+  # steps), and the job's summary of both cells
+  cfg = grokking.load_study(committed)[0]
+  runs = study_lib.saved_study(cfg, study3, committed)
+  rep3 = report_lib.paired_report(tmp_path / "demo", cfg, study3, runs,
+                                  plots=False)
+  final = rep3["results"]["tables"]["discovery"][1]
+  (row,) = final["rows"]
+  assert final["endpoint"] == "final_val_acc" and row["wins"] == 5
+  assert row["mean_diff"] > 0.2
+  old = tmp_path / "null"
+  shutil.copytree(harness.REFERENCE_ROOT / "grokking" / "history_0.1.0" /
+                  "default", old, ignore=shutil.ignore_patterns("*.png"))
+  rep5 = report_lib.report(old, *grokking.load_study(old), grokking.PROBE_ARM,
+                           plots=False)
+  text = grokking.experiment.summary([(demo, cfg3, study3, out3, rep3),
+                                      (null, cfg5, study5, out5, rep5)])
+  assert "CONFIRMED" in text and "NULL" in text and "not a new claim" in text
+  assert "benchmarks/results/grokking/frac0.3" in text
+  assert "benchmarks/results/grokking/frac0.5" in text
+  assert "wins 5/5" in text and "final val acc at 2000 steps" in text
+  print(text)
