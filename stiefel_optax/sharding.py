@@ -640,6 +640,17 @@ def rewrap_like(like, values):
 _OUT, _OPT = "out_sharding", "optimizer_sharding"
 
 
+def _can_shard(meta) -> bool:
+  """Whether a Variable made with this metadata can be sharded at once (its
+  constructor does it under eager sharding, and needs a mesh: its own
+  NamedSharding, a `mesh` entry, or the context's)."""
+  if not meta.get("eager_sharding") or not meta.get(_OUT):
+    return True
+  if meta.get("mesh") is not None or isinstance(meta[_OUT], NamedSharding):
+    return True
+  return not jax.sharding.get_abstract_mesh().empty
+
+
 def variable_state(state, params, frames: specs_lib.Selector = None):
   """The state `state` (made from the values of `params`) with each leaf
   that mirrors a parameter in a Variable of that parameter's type and
@@ -699,7 +710,13 @@ def variable_state(state, params, frames: specs_lib.Selector = None):
     if path not in unsharded:
       out = _rebuild(sharding, entries)
       meta[_OUT] = out if isinstance(out, NamedSharding) else tuple(out)
-    return type(v)(x, **meta)
+    if _can_shard(meta):
+      return type(v)(x, **meta)      # sharded at once (eager sharding)
+    # No mesh to shard by (tx.init outside `jax.set_mesh` on the nnx.State of
+    # a model built inside one): the Variable as a pytree rebuilds it, as
+    # plain optax's tree_map over the params' Variables does; nnx.Optimizer
+    # and jit's shardings shard it later.
+    return type(v).from_metadata(x, meta)
 
   mapper = _Mapper(values, shardings, frames, None, make=make,
                    other=lambda x: x)
