@@ -57,31 +57,35 @@ def log(msg: str) -> None:
   print(f"[integration] {msg}", flush=True)
 
 
+def _runs(exe) -> bool:
+  """Whether `exe` is a working Python (a pyenv shim of a version that is
+  not selected is not)."""
+  try:
+    return subprocess.run([str(exe), "-c", "import sys"], capture_output=True,
+                          timeout=60).returncode == 0
+  except OSError:
+    return False
+
+
 def find_python(version: str) -> str:
-  env = os.environ.get("STIEFEL_PYTHON_" + version.replace(".", "_"))
-  if env:
-    return env
-  exe = shutil.which(f"python{version}")
-  if exe:
-    return exe
+  key = "STIEFEL_PYTHON_" + version.replace(".", "_")
+  if os.environ.get(key):
+    return os.environ[key]
+  candidates = [shutil.which(f"python{version}")]
   if shutil.which("pyenv"):
-    out = subprocess.run(["pyenv", "prefix", version], capture_output=True,
-                         text=True, timeout=60)
-    if out.returncode == 0:
-      exe = pathlib.Path(out.stdout.strip().splitlines()[-1]) / "bin/python"
-      if exe.exists():
-        return str(exe)
     out = subprocess.run(["pyenv", "root"], capture_output=True, text=True,
                          timeout=60)
     if out.returncode == 0:
       root = pathlib.Path(out.stdout.strip()) / "versions"
-      for d in sorted(root.glob(f"{version}.*"), reverse=True):
-        if (d / "bin/python").exists():
-          return str(d / "bin/python")
+      candidates += [d / "bin/python" for d in
+                     sorted(root.glob(f"{version}.*"), reverse=True)]
+  for exe in candidates:
+    if exe and _runs(exe):
+      return str(exe)
   raise SystemExit(
       f"integration/run.py: no Python {version} found (python{version} on"
-      f" PATH, pyenv, or STIEFEL_PYTHON_{version.replace('.', '_')}=<path>);"
-      f" install it (pyenv install {version}) or name it.")
+      f" PATH, pyenv, or {key}=<path>); install it (pyenv install {version})"
+      " or name it.")
 
 
 def du(path: pathlib.Path) -> int:
