@@ -58,7 +58,13 @@ def _node(x) -> str:
   if x is None:
     return "None"
   name = type(x).__name__
-  return f"{name}()" if jax.tree.structure(x).num_leaves == 0 else name
+  kids = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
+  if not kids:
+    return f"{name}()"        # an empty node: MaskedNode(), EmptyState()
+  if isinstance(x, (dict, list, tuple)) or len(kids) > 1:
+    return name
+  # A wrapper (a Flax NNX Variable): what it wraps.
+  return f"{name}({_node(kids[0])})"
 
 
 def first_difference(have, want, path: str = ""):

@@ -9,6 +9,8 @@ model's optimizer in tests/test_reliability.py.
 
 from __future__ import annotations
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -116,3 +118,76 @@ def test_start_check_runs_once_per_init(monkeypatch):
   so.stiefel_attention(1e-2, orthonormal_start="project").init(raw)
   with pytest.raises(ValueError, match="attn/key/kernel: shape"):
     so.stiefel_attention(1e-2).init(raw)
+
+
+# ---------------------------------------------------------------------------
+# The start check of a traced init (issue 55): never silent, no cost per step
+
+
+def _attention_params(scale_key=1.0):
+  """A (16, 2, 4) query and key kernel; the key's frames scaled."""
+  kernel = lambda seed: jnp.transpose(frames(seed, (2, 16, 4)), (1, 0, 2))
+  return {"attn": {"query": {"kernel": kernel(61)},
+                   "key": {"kernel": scale_key * kernel(62)}},
+          "out": {"kernel": normal(63, (2, 4, 16))}}
+
+
+def _traced_error(fn, *args):
+  """The message of the error that running fn under jit raises (the start
+  check's ValueError, reaching the caller wrapped in a JaxRuntimeError)."""
+  with pytest.raises(Exception) as info:     # noqa: PT011 (checked below)
+    jax.block_until_ready(jax.jit(fn)(*args))
+  assert isinstance(info.value, (ValueError, jax.errors.JaxRuntimeError))
+  return str(info.value)
+
+
+def test_traced_init_raises_on_frames_that_are_not_orthonormal():
+  """`jax.jit(tx.init)` (the sharded recipes' init) on frames not
+  orthonormal raises the eager init's error, naming the kernel, when the
+  init runs; before issue 55 it was accepted silently. Orthonormal frames
+  pass, and the eager init keeps its error."""
+  bad = _attention_params(scale_key=2.0)
+  tx = so.stiefel_attention(1e-2)
+  message = _traced_error(tx.init, bad)
+  # ||(2W)^T (2W) - I||_F = ||3 I_4||_F = 6.
+  assert re.search(r"ValueError: attn/key/kernel: shape \(16, 2, 4\), frames"
+                   r" \(2, 16, 4\) under .*not orthonormal \(isometry error"
+                   r" .* = 6 at frame \(\d,\)", message), message
+  assert "stiefel_optax.orthonormalize(params" in message
+  assert "traced init" in message
+  with pytest.raises(ValueError, match="^attn/key/kernel: shape"):
+    tx.init(bad)
+  good = _attention_params()
+  chex.assert_trees_all_equal(jax.jit(tx.init)(good), tx.init(good))
+
+
+def test_traced_init_raises_on_rank_deficient_frames_and_any_alias():
+  """"project" accepts frames off the manifold but not rank-deficient
+  ones, traced too; a frame-only alias's traced init checks its leaves."""
+  deficient = _attention_params()
+  k = deficient["attn"]["query"]["kernel"]
+  deficient["attn"]["query"]["kernel"] = k.at[:, 1, 3].set(0.0)
+  project = so.stiefel_attention(1e-2, orthonormal_start="project")
+  message = _traced_error(project.init, deficient)
+  assert re.search(r"attn/query/kernel: .*frame \(1,\) is rank-deficient",
+                   message), message
+  jax.block_until_ready(jax.jit(project.init)(_attention_params(2.0)))
+  w = frames(64, (3, 8, 4))
+  message = _traced_error(so.stiefel_adam(1e-2).init, w.at[2].multiply(1.5))
+  assert re.search(r"check_orthonormal_start: parameter <root> \(shape"
+                   r" \(3, 8, 4\)\): not orthonormal .* at frame \(2,\)",
+                   message), message
+
+
+def test_traced_start_check_costs_no_step_and_no_abstract_init():
+  """The check is in the init's program only: the update's program has no
+  host callback (no host sync per step), and `jax.eval_shape(tx.init)`
+  on bad frames runs nothing."""
+  tx = so.stiefel_attention(1e-2)
+  good = _attention_params()
+  state = tx.init(good)
+  text = str(jax.make_jaxpr(tx.update)(good, state, good))
+  assert "callback" not in text
+  assert "callback" in str(jax.make_jaxpr(tx.init)(good))
+  abstract = jax.eval_shape(tx.init, _attention_params(scale_key=2.0))
+  assert jax.tree.structure(abstract) == jax.tree.structure(state)

@@ -466,3 +466,59 @@ def test_converges_to_the_top_eigenspace_float32(certificate):
     iso_max = certificate("stiefel_muon: isometry error, 300 float32 steps"
                           " (float32)", jnp.max(iso))
     assert iso_max <= 1e-5
+
+
+# ---------------------------------------------------------------------------
+# optax.inject_hyperparams without static_args (issue 55)
+
+
+def _muon_run(tx, steps=3, jit=True):
+  """`steps` updates of tx on fixed gradients (NumPy) from Haar frames."""
+  w = jnp.asarray(np.random.default_rng(0).standard_normal(SHAPE),
+                  jnp.float32)
+  w = jnp.asarray(np_polar(w), jnp.float32)
+  g = jnp.asarray(np.random.default_rng(1).standard_normal(SHAPE),
+                  jnp.float32)
+  update = jax.jit(tx.update) if jit else tx.update
+  state = tx.init(w)
+  for _ in range(steps):
+    u, state = update(g, state, w)
+    w = optax.apply_updates(w, u)
+  return w, state
+
+
+def test_inject_hyperparams_needs_no_static_args():
+  """`optax.inject_hyperparams(stiefel_muon)(learning_rate)` works under
+  jit, as `optax.contrib.muon`'s does (before issue 55: a
+  ConcretizationTypeError in check_count): msign_steps' default (None) is
+  not a number, so it is not injected and the steps are the static ones,
+  bit for bit those of `static_args=("msign_steps",)`. An int given is
+  injected (traced under jit): msign then loops over it
+  (`lax.fori_loop`), the same arithmetic, equal within rounding; a bad
+  one is refused where it is concrete (at init)."""
+  inject = optax.inject_hyperparams(muon.stiefel_muon)
+  w, state = _muon_run(inject(learning_rate=0.05))
+  assert "msign_steps" not in state.hyperparams
+  w_static, _ = _muon_run(optax.inject_hyperparams(
+      muon.stiefel_muon, static_args=("msign_steps",))(learning_rate=0.05))
+  np.testing.assert_array_equal(w, w_static)
+  for steps in (3, 10):
+    w_traced, state = _muon_run(inject(learning_rate=0.05,
+                                       msign_steps=steps))
+    assert int(state.hyperparams["msign_steps"]) == steps
+    w_fixed, _ = _muon_run(optax.inject_hyperparams(
+        muon.stiefel_muon, static_args=("msign_steps",))(
+            learning_rate=0.05, msign_steps=steps))
+    # The same arithmetic in another order of fusion: each of the 3 steps
+    # moves W by lr * D with ||D||_2 <= 2/sqrt(3); msign's rounding is
+    # O(steps * r * eps) per entry (about 1e-5 at float32 for 10 steps of
+    # r = 4), times lr = 0.05, summed over 3 steps: < 1e-5.
+    np.testing.assert_allclose(w_traced, w_fixed, rtol=0, atol=1e-5)
+    assert float(jnp.max(geometry.isometry_error(w_traced))) < 1e-5
+  with pytest.raises(ValueError, match="^stiefel_muon: msign_steps"):
+    inject(learning_rate=0.05, msign_steps=0).init(jnp.eye(8, 4))
+  # The traced loop is msign's own: equal to the unrolled one to rounding.
+  x = jnp.asarray(np.random.default_rng(2).standard_normal(SHAPE),
+                  jnp.float32)
+  traced = jax.jit(muon.msign)(x, 9)
+  np.testing.assert_allclose(traced, muon.msign(x, 9), rtol=0, atol=1e-5)

@@ -262,3 +262,72 @@ class FramePartitionTest(chex.TestCase):
                                 atol=1e-7)
     assert float(so.max_isometry_error(p, frames)) <= 3e-6
     assert float(jnp.max(jnp.abs(got[:, :2 * d] - kernel[:, :2 * d]))) > 1e-3
+
+
+# ---------------------------------------------------------------------------
+# Flax NNX's functional pattern, and the state check's message (issue 55)
+
+
+def test_nnx_split_state_trains_under_jit():
+  """`nnx.split(model, nnx.Param, ...)`, `tx.init(params)` on the
+  nnx.State of Variables and a jitted `tx.update`: the updates and the
+  state come back in their Variables (a jit output keeps its tree), and
+  the frames stay orthonormal. Before issue 55 the update raised "the
+  Stiefel group's state (5 arrays) is not the one this optimizer makes
+  ... (5 arrays)": init's state holds MaskedNode where the params' split
+  holds a Variable around one."""
+  from flax import nnx
+  model = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
+                                 decode=False, rngs=nnx.Rngs(0))
+  nnx.update(model, so.orthonormalize(nnx.state(model, nnx.Param)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx = so.stiefel_attention(1e-2)
+  state = tx.init(params)
+  x = jnp.ones((1, 3, 8))
+
+  @jax.jit
+  def step(params, state):
+    grads = jax.grad(
+        lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(x) ** 2))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, updates
+
+  new, state2, updates = step(params, state)
+  new, state2, _ = step(new, state2)
+  assert jax.tree.structure(state2) == jax.tree.structure(state)
+  assert jax.tree.structure(updates) == jax.tree.structure(params)
+  assert float(so.max_isometry_error(nnx.as_pure(new))) < 1e-5
+
+
+def test_a_state_check_names_the_first_differing_place():
+  """Two trees of equal leaf counts but different nodes are told apart
+  and located (the message of issue 55 compared "5 arrays" with "5
+  arrays"); keys one tree lacks are named."""
+  from flax import nnx
+  masked = optax.MaskedNode()
+  have = {"a": {"bias": masked, "kernel": jnp.zeros(2)}}
+  want = {"a": {"bias": nnx.Param(masked), "kernel": jnp.zeros(2)}}
+  assert partition.first_difference(have, want) == (
+      "['a']['bias']", "MaskedNode()", "Param(MaskedNode())")
+  assert partition.first_difference(have, have) is None
+  assert partition.first_difference(
+      {"a": 1.0}, {"a": 1.0, "b": jnp.zeros(3)})[:2] == ("['b']", "nothing")
+  # Through the optimizer: a state of as many arrays whose Stiefel group
+  # holds one where the optimizer's holds none, and none where it holds one.
+  params = _params()
+  tx = so.stiefel_attention(1e-3, frames=SELECTOR)
+  state = tx.init(params)
+  mu = dict(state.stiefel[1].mu)
+  layer = mu["layer_0"]
+  mu["layer_0"] = {**layer, "query": {"kernel": masked},
+                   "value": {"kernel": layer["query"]["kernel"]}}
+  bad = state._replace(stiefel=(state.stiefel[0],
+                                state.stiefel[1]._replace(mu=mu))
+                       + tuple(state.stiefel[2:]))
+  assert len(jax.tree.leaves(bad)) == len(jax.tree.leaves(state))
+  with pytest.raises(ValueError, match=r"at state\.stiefel\[1\]\.mu"
+                     r"\['layer_0'\]\['query'\]\['kernel'\] it holds"
+                     r" MaskedNode\(\), where this optimizer's state holds an"
+                     r" array \(2, 16, 8\) float32") as info:
+    tx.update(jax.tree.map(jnp.ones_like, params), bad, params)
+  assert "arrays)" not in str(info.value)
