@@ -48,6 +48,7 @@ trainer:
   tracker: {{type: noop}}
   require_accelerator: false
   checkpointer: {{base_path: {tempfile.mkdtemp()}}}
+  log_dir: {tempfile.mkdtemp()}
 model:
   type: llama
   max_seq_len: 16
