@@ -9,9 +9,11 @@ from stiefel_optax.geometry import (
     isometry_error, polar, random_frames, retract)
 from stiefel_optax.newton_schulz import newton_schulz_steps
 from stiefel_optax.transforms import (
-    ScaleByFrameAdamState, check_orthonormal_start, clip_frame_norm,
-    project_to_tangent, retract_polar, scale_by_frame_adam, tangent_sq_norm)
-from stiefel_optax.aliases import one_pass_chain, riemannian_sgd, stiefel_adam
+    MasterFramesState, ScaleByFrameAdamState, check_orthonormal_start,
+    clip_frame_norm, project_to_tangent, retract_polar, scale_by_frame_adam,
+    tangent_sq_norm)
+from stiefel_optax.aliases import (
+    one_pass_chain, riemannian_sgd, stiefel_adam, upcast_float16)
 from stiefel_optax.muon import (
     ScaleByTangentMsignState, msign, scale_by_tangent_msign, stiefel_muon,
     tangent_msign)
@@ -53,9 +55,11 @@ __all__ = [
     # Transforms.
     "project_to_tangent", "check_orthonormal_start", "scale_by_frame_adam",
     "ScaleByFrameAdamState", "clip_frame_norm", "retract_polar",
-    "scale_by_tangent_msign", "ScaleByTangentMsignState",
-    # Combining transforms: a one-pass chain, a partition of the tree.
+    "MasterFramesState", "scale_by_tangent_msign", "ScaleByTangentMsignState",
+    # Combining transforms: a one-pass chain, a partition of the tree, a
+    # float32 compute for float16 leaves.
     "one_pass_chain", "frame_partition", "FramePartitionState",
+    "upcast_float16",
     # Frame selection.
     "FrameSpec", "FRAME_PRESETS", "Selector", "frame_specs", "selected_frames",
     "fused_qkv", "maxtext_fused_qkv", "haiku_mha", "equinox_specs",

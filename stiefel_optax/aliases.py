@@ -174,7 +174,9 @@ def one_pass_chain(
 
   so the cap and the Newton–Schulz scale take ||xi||_F = abs(s) ||m||_F
   from m (for `stiefel_adam` the new first moment, which the state stores
-  anyway), and XLA fuses s m into W + xi: xi is never written out. Equal to
+  anyway), and XLA fuses s m into W + xi: xi is never written out (float64
+  frames measure ||xi||_F once more for the scale: `geometry.retract`,
+  `step_norm`). Equal to
   the chain up to rounding; frames below float32 keep the step in float32
   between the links, where the chain rounds it to their dtype. The passes
   it saves: docs/performance.rst ("The one-pass update").
