@@ -10,8 +10,9 @@ one `qkv_einsum` (3, N, D, H), whose q and k parts are the frames; `gqa`:
 case trains twice, with the default selector and with `frames="gemma"`,
 which must select the same leaves and train alike. The rest: the same
 gradients fed to `optax.adamw` beside it (the AdamW group of
-`stiefel_attention` is optax.adamw on float32 and bfloat16 leaves alike,
-so the difference is 0 in both dtypes).
+`stiefel_attention` is optax.adamw on float32 and bfloat16 leaves alike:
+every whole non-frame leaf must equal its twin exactly, in both dtypes; the
+v parts of the fused kernels to 4 eps, see `rest`).
 
 bfloat16: the frames keep a float32 master copy (the library's default,
 `master_frames=True`); the bf16 parameters are that master rounded, so the
