@@ -56,6 +56,35 @@ def warn_if_boxed(params) -> None:
         " (nn.unbox(params)).", UserWarning, stacklevel=3)
 
 
+def _named_array_type():
+  # Without haliax imported a tree holds no NamedArray: never import it.
+  core = sys.modules.get("haliax.core")
+  return None if core is None else core.NamedArray
+
+
+def has_named(tree) -> bool:
+  """Whether `tree` holds Haliax NamedArrays."""
+  named = _named_array_type()
+  is_named = lambda x: named is not None and isinstance(x, named)
+  return any(map(is_named, jax.tree.leaves(tree, is_leaf=is_named)))
+
+
+def strip_named(tree):
+  """`tree` with each Haliax `NamedArray` node replaced by its array.
+
+  A leaf's NamedArray names the kernel's axes; its frame view (batch...,
+  d, r) and the per-frame state made from it have other axes and ranks, so
+  the Stiefel group sees plain arrays, and `sharding.named_state` names its
+  state by the view's axes. The tree itself where it holds no NamedArray.
+  """
+  if not has_named(tree):
+    return tree
+  named = _named_array_type()
+  is_named = lambda x: isinstance(x, named)
+  return jax.tree.map(lambda x: x.array if is_named(x) else x, tree,
+                      is_leaf=is_named)
+
+
 class FramePartitionState(NamedTuple):
   """State of `frame_partition`: each group's inner state.
 
@@ -77,7 +106,8 @@ def split_groups(tree, items):
   other group's leaves as `optax.MaskedNode` (as `optax.partition` hands
   them). A selected leaf gives its frame view (batch..., d, r) to the first
   group and its parts that are not frames, if any, to the second
-  (`views.split_frames`).
+  (`views.split_frames`). The first group holds no Haliax `NamedArray`
+  node (`strip_named`): a leaf's names are the kernel's axes, not its view's.
 
   Args:
     tree: a tree of the parameters' structure.
@@ -107,7 +137,7 @@ def split_groups(tree, items):
     frames.append(view)
     rest.append(masked if other is None else other)
   treedef = jax.tree.structure(tree)
-  return treedef.unflatten(frames), treedef.unflatten(rest)
+  return strip_named(treedef.unflatten(frames)), treedef.unflatten(rest)
 
 
 def _masked(x) -> bool:

@@ -40,8 +40,8 @@ from stiefel_optax import checks, sharding, specs as specs_lib, views
 # too); their names stay importable from here.
 from stiefel_optax.groups import (  # noqa: F401
     AUTO_STACK_BYTES, STACK_FRAMES, FramePartitionState, _masked,
-    boxed_paths, flax_meta, split_groups, stack, stack_limit, stack_plan,
-    unstack, warn_if_boxed)
+    boxed_paths, flax_meta, has_named, split_groups, stack, stack_limit,
+    stack_plan, strip_named, unstack, warn_if_boxed)
 
 
 def _inner_params(f_params, stack_frames):
@@ -232,6 +232,10 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
     # transform's init skips its own start check, its leaf checks still run.
     with checks.start_checked():
       s_state = stiefel_tx.init(_inner_params(f_params, stack_frames))
+    if limit is None and has_named(params):
+      # Haliax (Levanter shards the state by axis names): the state's frame
+      # views are NamedArrays of the view's axes, not the kernel's.
+      s_state = sharding.named_state(s_state, params, items)
     return FramePartitionState(s_state, rest_tx.init(r_params))
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -251,14 +255,19 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
     checks.check_same_structure(updates, params, "frame_partition")
     f_updates, r_updates = split_groups(updates, items)
     f_params, r_params = split_groups(params, items)
-    check_state(stiefel_tx, state.stiefel, f_params, stack_frames)
+    # The Stiefel transform sees plain arrays (split_groups); a state named
+    # by the frame view (Haliax: init's named_state) comes back so named.
+    s_state = plain = strip_named(state.stiefel)
+    check_state(stiefel_tx, s_state, f_params, stack_frames)
     if limit is not None:
       plan = stack_plan(f_params, limit)
       f_new, s_state = stiefel_tx.update(stack(f_updates, plan),
-                                         state.stiefel, stack(f_params, plan))
+                                         s_state, stack(f_params, plan))
       f_new = unstack(f_new, plan, f_updates)
     else:
-      f_new, s_state = stiefel_tx.update(f_updates, state.stiefel, f_params)
+      f_new, s_state = stiefel_tx.update(f_updates, s_state, f_params)
+    if plain is not state.stiefel:
+      s_state = sharding.rewrap_named(state.stiefel, s_state)
     r_new, e_state = optax.with_extra_args_support(rest_tx).update(
         r_updates, state.euclidean, r_params, **extra_args)
     f_leaves = jax.tree.leaves(f_new, is_leaf=_masked)

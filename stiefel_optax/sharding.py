@@ -45,6 +45,15 @@ returns, for Variables, a state whose leaves are Variables carrying the
 `out_sharding` mapped here (`variable_state`), so `nnx.get_partition_spec`
 of the optimizer is right, eager or not.
 
+Haliax (Levanter) needs no call either: Levanter's Trainer shards the
+optimizer state by axis names (`infer_resource_partitions` of the state under
+`named_jit`), so `frame_partition`'s init names the Stiefel group's state by
+the frame view's axes (`named_state`): the first moment of Levanter's q_proj
+weight (layer, kv_head, q_heads_per_group, head_size, embed) is a NamedArray
+(layer, kv_head, q_heads_per_group, embed, head_size), its second moment
+(layer, kv_head, q_heads_per_group), not the weight's five names around a
+rank-3 array.
+
 The alternative, keeping the state in the kernel's layout, was not taken:
 the step computes in the frame view, so a kernel-layout moment would be
 transposed in and out of the view at every step (measured in
@@ -240,8 +249,9 @@ class _Mapper:
   """Walks an optimizer state, giving each leaf its sharding."""
 
   def __init__(self, params, shardings, frames, replicated, make=None,
-               other=None):
+               other=None, items=None):
     self.params, self.shardings, self.frames = params, shardings, frames
+    self.items = items     # frame_specs(params, frames), where known
     self.replicated = replicated
     # make(state leaf, its target (path, shape, entries, sharding), its
     # entries): what a leaf that mirrors a parameter becomes; other(leaf):
@@ -268,7 +278,8 @@ class _Mapper:
     if self._groups is not None:
       return self._groups
     try:
-      items = specs_lib.frame_specs(self.params, self.frames)
+      items = (self.items if self.items is not None else
+               specs_lib.frame_specs(self.params, self.frames))
     except ValueError as err:
       raise ValueError(
           f"state_shardings: {err} (state_shardings selects the frames as"
@@ -331,8 +342,12 @@ class _Mapper:
   def walk(self, node, path, targets, group):
     if isinstance(node, groups.FramePartitionState):
       frame_targets, rest_target = self.groups()
-      stiefel = self.walk(node.stiefel, path + ".stiefel", frame_targets,
-                          "stiefel")
+      # The frame targets hold no Haliax NamedArray (split_groups); the
+      # state's, named by the frame view (named_state), are put back after.
+      plain = groups.strip_named(node.stiefel)
+      stiefel = self.walk(plain, path + ".stiefel", frame_targets, "stiefel")
+      if plain is not node.stiefel:
+        stiefel = rewrap_named(node.stiefel, stiefel)
       euclidean = self.walk(node.euclidean, path + ".euclidean",
                             [rest_target], "euclidean")
       return groups.FramePartitionState(stiefel, euclidean)
@@ -723,3 +738,66 @@ def variable_state(state, params, frames: specs_lib.Selector = None):
   out = mapper.walk(state, "", [mapper.param_target()], None)
   _warn(mapper.notes)
   return out
+
+
+# --------------------------------------------------------------------------
+# Haliax (Levanter): a Stiefel state named by the frame view's axes.
+
+
+def rewrap_named(like, values):
+  """`values` (a tree of `groups.strip_named(like)`'s structure, or of
+  shardings in its place) in the NamedArray nodes of `like`, as
+  `rewrap_like` does for Variables (a jit output or a scan carry keeps
+  its tree)."""
+  have = jax.tree.structure(values, is_leaf=_is_sharding)
+  if jax.tree.structure(groups.strip_named(like)) != have:
+    raise ValueError(
+        "stiefel_optax: internal error: a tree computed from a state of"
+        " Haliax NamedArrays lost its structure:"
+        f" {jax.tree.structure(groups.strip_named(like))} vs {have}.")
+  # A NamedArray is a pytree node of one leaf, its array: the leaves of
+  # `like` and of `values` come in the same order.
+  return jax.tree.structure(like).unflatten(
+      jax.tree.leaves(values, is_leaf=_is_sharding))
+
+
+def named_state(state, params, items):
+  """The Stiefel group's state `state` (made from the plain frame views of
+  the Haliax tree `params`), each leaf that mirrors a frame view in a
+  `haliax.NamedArray` of the view's axes.
+
+  Levanter shards the optimizer state by axis names (Haliax's
+  `infer_resource_partitions`), so a state leaf kept in the kernel's
+  NamedArray would get the kernel's rank and axes. A frame view (batch...,
+  d, r) takes its names from the kernel axes it comes from (`view_entries`
+  on the names, as on logical axis names): Levanter's q_proj weight
+  (layer, kv_head, q_heads_per_group, head_size, embed) gives the first
+  moment (layer, kv_head, q_heads_per_group, embed, head_size) and the
+  per-frame second moment (layer, kv_head, q_heads_per_group), sharded as
+  the weight's axes of those names are. A view axis that no one kernel axis
+  names (merged rows or columns, heads split from a column axis, a fused
+  leaf's parts) leaves its leaf a plain array (replicated by Levanter), as
+  are counts and stacks (`stack_frames`).
+
+  Args:
+    state: the Stiefel transform's state over `groups.split_groups(params,
+      items)[0]` (stack_frames=False).
+    params: the parameters, a tree holding Haliax NamedArrays.
+    items: `specs.frame_specs(params, frames)`.
+
+  Returns:
+    `state` with NamedArrays in place of the leaves that mirror frame views.
+  """
+  named = groups._named_array_type()  # pylint: disable=protected-access
+  names = specs_lib.axis_names(params)
+  shardings = [PartitionSpec(*(names.get(path) or ()))
+               for path, _, _ in items]
+
+  def make(x, target, entries):
+    if entries and all(isinstance(e, str) for e in entries):
+      return named(x, tuple(entries))
+    return x
+
+  mapper = _Mapper(params, shardings, None, None, make=make,
+                   other=lambda x: x, items=items)
+  return mapper.walk(state, "", mapper.groups()[0][:1], None)

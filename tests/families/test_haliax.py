@@ -341,3 +341,67 @@ def test_an_axis_mapping_with_other_names_raises_instead_of_sharding_nothing():
   assert q_spec(sh)[1] == "model"                 # (layer, kv_head, ...)
   with pytest.raises(ValueError, match=r"carries no axis names"):
     so.check_axis_mapping({"w": jnp.zeros((2, 2))}, right)
+
+
+# --------------------------------------------------------------------------
+# The optimizer state under Haliax's name-based sharding (Levanter's Trainer).
+
+
+def _named_arrays(tree):
+  is_named = lambda x: isinstance(x, hax.NamedArray)
+  return {jax.tree_util.keystr(p): x for p, x in
+          jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_named)[0]
+          if is_named(x) and hasattr(x.array, "shape")}
+
+
+@pytest.mark.parametrize("stiefel", ["adam", "muon"])
+def test_state_is_named_by_the_frame_view_and_shards_by_name(stiefel):
+  """Levanter shards the optimizer state by axis names (Haliax's
+  `infer_resource_partitions` under `named_jit`). The Stiefel group's state
+  is in the frame view: its NamedArrays name the view's axes (the first
+  moment (layer, kv_head, q_heads_per_group, embed, head_size), the
+  per-frame second moment (layer, kv_head, q_heads_per_group)), never the
+  kernel's five names around a rank-3 array, so the jitted init and step
+  shard it as the weights' axes of those names are."""
+  model = so.orthonormalize(Model.init(GQA, True, key=jax.random.key(0)))
+  params = params_of(model)
+  frames_tx = (so.stiefel_adam(LR) if stiefel == "adam" else
+               so.stiefel_muon(LR))
+  tx = so.frame_partition(frames_tx, optax.adamw(LR, **ADAMW))
+  state = tx.init(params)
+  named = _named_arrays(state)
+  for path, x in named.items():
+    assert len(x.axis_names) == x.array.ndim, (path, x.axis_names,
+                                               x.array.shape)
+  q = ".layers.stacked.self_attn.q_proj.weight"
+  view = ("layer", "kv_head", "q_heads_per_group", "embed", "head_size")
+  mu = next(x for p, x in named.items() if p.startswith(".stiefel")
+            and p.endswith(q) and x.array.ndim == 5)
+  assert mu.axis_names == view and mu.array.shape == (2, 2, 2, 16, 4)
+  if stiefel == "adam":
+    nu = named[".stiefel[1].nu" + q]
+    assert nu.axis_names == view[:3] and nu.array.shape == (2, 2, 2)
+  # The AdamW group's state keeps the kernels' own names.
+  assert named[".euclidean[0].mu.lm_head.weight"].axis_names == tuple(
+      params.lm_head.weight.axis_names)
+
+  mesh = jax.make_mesh((1, 1), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mapping = {"embed": "data", "kv_head": "model"}
+
+  def step(params, state):
+    grads = eqx.filter_grad(lambda p: loss_fn(eqx.combine(p, model)))(params)
+    updates, state = tx.update(grads, state, params)
+    return eqx.apply_updates(params, updates), state
+
+  with jax.set_mesh(mesh), hax.axis_mapping(mapping):
+    state = hax.named_jit(tx.init, axis_resources=mapping)(params)
+    params, state = hax.named_jit(step, axis_resources=mapping)(params, state)
+  assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
+  after = _named_arrays(state)
+  spec = lambda path: tuple(after[path].array.sharding.spec)
+  mu_path = next(p for p, x in named.items() if x is mu)
+  assert spec(mu_path)[:5] == (None, "model", None, "data", None)
+  if stiefel == "adam":
+    assert spec(".stiefel[1].nu" + q)[:3] == (None, "model", None)
+  assert so.max_isometry_error(params) <= 1e-5
