@@ -14,7 +14,7 @@ from benchmarks.lm import config as lm_config
 
 def name_of(folder: str, rec: dict) -> str:
   """The run's name by the rule, from what its record holds."""
-  if folder.startswith("lm"):       # lm, lm_robustness, lm_width
+  if folder.startswith("lm"):       # lm, lm_robustness, lm_width, lm_bound
     return harness.run_name(rec["arm"], rec["seed"], lm_config.NAMING,
                             config=rec["config"], data=rec["data"])
   if folder == "cifar_robustness":
@@ -51,7 +51,7 @@ def test_every_committed_run_keeps_its_name_and_identity():
       wrong.append((str(path.relative_to(harness.REPO)), name))
   assert not wrong, wrong[:5]
   assert set(seen) == {"cifar", "cifar_robustness", "cifar_tiny", "grokking",
-                       "lm", "lm_robustness", "lm_width"}, seen
+                       "lm", "lm_bound", "lm_robustness", "lm_width"}, seen
 
 
 def test_the_rule_is_each_experiments_own():
