@@ -177,17 +177,7 @@ def leaf_names(params) -> list:
 
 
 def _mapping_fn(rules: Mapping, what: str):
-  compiled = {}
-  for pattern, spec in rules.items():
-    if not isinstance(pattern, str):
-      raise ValueError(f"gains: key {pattern!r} must be a path regex (str).")
-    if spec is not None and not isinstance(spec, GainSpec):
-      raise ValueError(f"gains[{pattern!r}] = {spec!r}: expected a GainSpec"
-                       " or None.")
-    try:
-      compiled[pattern] = (re.compile(pattern), spec)
-    except re.error as err:
-      raise ValueError(f"gains: {pattern!r} is not a valid regex: {err}.")
+  compiled = specs_lib.compile_rules(rules, "gains", GainSpec)
 
   def fn(name, leaf):
     hits = {s for c, s in compiled.values() if c.search(name)}

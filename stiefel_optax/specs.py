@@ -612,20 +612,9 @@ def _maxtext_fused_specs(params) -> dict:
   return out
 
 
-def _maxtext_fused_leaf(specs: dict):
-  """(path, leaf) -> the spec of a MaxText fused qkv_proj kernel at path
-  (raising its message for a layout that does not fit), else None."""
-  def select(path, leaf):
-    spec = specs.get(path)
-    if isinstance(spec, str):
-      raise _Undecided(spec)
-    return spec
-  return select
-
-
 @_reads_tree
 def _maxtext(params):
-  fused = _maxtext_fused_leaf(_maxtext_fused_specs(params))
+  fused = _named_leaf(_maxtext_fused_specs(params))
   return lambda path, leaf: fused(path, leaf) or _maxtext_qk(path, leaf)
 
 
@@ -1158,6 +1147,24 @@ FRAME_PRESETS = ("auto", "equinox", "flax", "gemma", "haliax", "maxtext",
 _PRESETS = dict(zip(FRAME_PRESETS, (_auto_tree, _equinox, _flax, _gemma,
                                     _haliax, _maxtext, _penzai)))
 
+def compile_rules(rules: Mapping, arg: str, spec_type: type) -> dict:
+  """{pattern: (compiled regex, spec)} of a `{path_regex: spec | None}`
+  selector mapping passed as `arg` (``frames=``, ``gains=``), each key and
+  spec checked: a ValueError names the entry and what it must be."""
+  entries = {}
+  for pattern, spec in rules.items():
+    if not isinstance(pattern, str):
+      raise ValueError(f"{arg}: key {pattern!r} must be a path regex (str).")
+    if spec is not None and not isinstance(spec, spec_type):
+      raise ValueError(f"{arg}[{pattern!r}] = {spec!r}: expected a"
+                       f" {spec_type.__name__} or None.")
+    try:
+      entries[pattern] = (re.compile(pattern), spec)
+    except re.error as err:
+      raise ValueError(f"{arg}: {pattern!r} is not a valid regex: {err}.")
+  return entries
+
+
 Selector = Union[None, str, FrameSpec, Mapping[str, Optional[FrameSpec]],
                  Callable[[str, Any], Optional[FrameSpec]]]
 
@@ -1280,17 +1287,7 @@ def _selector_fn(frames: Selector, params=None):
   if isinstance(frames, FrameSpec):
     return (lambda path, leaf: frames), {}, repr(frames)
   if isinstance(frames, Mapping):
-    entries = {}
-    for pattern, spec in frames.items():
-      if not isinstance(pattern, str):
-        raise ValueError(f"frames: key {pattern!r} must be a path regex (str).")
-      if spec is not None and not isinstance(spec, FrameSpec):
-        raise ValueError(f"frames[{pattern!r}] = {spec!r}: expected a"
-                         " FrameSpec or None.")
-      try:
-        entries[pattern] = (re.compile(pattern), spec)
-      except re.error as err:
-        raise ValueError(f"frames: {pattern!r} is not a valid regex: {err}.")
+    entries = compile_rules(frames, "frames", FrameSpec)
 
     def fn(path, leaf):
       hits = [(p, s) for p, (c, s) in entries.items() if c.search(path)]
