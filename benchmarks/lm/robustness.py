@@ -148,6 +148,29 @@ BOUND_PILOT = dataclasses.replace(
     heading="## The closed logit bound: the pilot (language model)")
 SWEEPS["bound_pilot"] = BOUND_PILOT
 
+# The closed bound's study (issue 52), as benchmarks/results/lm_bound/
+# study_plan.md fixes it: the pilot's choice, `stiefel_box`, added to the
+# width study's sweeps at d 128 and d 256 (their grids, seeds, ratios and
+# rules; every committed run of the four width arms read, never written;
+# at d 128 the pilot's box runs too). Each writes its own folder.
+BOUND_STUDY_PLAN = "benchmarks/results/lm_bound/study_plan.md"
+BOUND_STUDY_ARMS = WIDTH_ARMS + ("stiefel_box",)
+
+
+def bound_study(d: int, **changes) -> Sweep:
+  """The width study's sweep at d with the box arm (the stiefel arm's
+  ratio and cap)."""
+  return dataclasses.replace(
+      SWEEPS[f"width{d}"], arms=BOUND_STUDY_ARMS,
+      ratios={**RATIOS, "stiefel_box": RATIOS["stiefel"]},
+      plan=BOUND_STUDY_PLAN, claims=(), trend=None,
+      heading=f"## The closed logit bound: the sweep at d {d} (language"
+              " model)", **changes)
+
+
+SWEEPS["bound128"] = bound_study(128, reuse=("lm_robustness", "lm_bound"))
+SWEEPS["bound256"] = bound_study(256, reuse=(WIDTH_FOLDERS[256],))
+
 
 def sweep_config(sweep: Sweep, arm: str, eta: float) -> Config:
   """The arm's configuration at base learning rate eta (its floor eta / 10,

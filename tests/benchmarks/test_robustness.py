@@ -594,3 +594,25 @@ def test_a_worker_waits_for_the_others_runs_that_may_plan_more(
   os.utime(other.path(name(busy)), (0, 0))
   waits.extend([0, 0])                # never saved now
   assert (run(), trained, waits) == (0, [], [0, 0])
+
+
+def test_bound_study_sweeps_plan_only_the_new_box_runs():
+  """The bound study's sweeps (benchmarks/results/lm_bound/study_plan.md):
+  the width sweeps with `stiefel_box` added at stiefel's ratio and cap;
+  every committed run of the four width arms (and at d 128 the pilot's box
+  runs) read, so what is left is exactly the plan's new box runs: 17 at
+  d 128 (9 points x 3 seeds less the pilot's 10), 14 on the d 256 grid."""
+  data = "tinyshakespeare:md5=6fb458f1232090904fb40fe944165e91"
+  for d, new, grid in ((128, 17, robustness.SWEEP.grid),
+                       (256, 14, robustness.SWEEPS["width256"].grid)):
+    s = robustness.SWEEPS[f"bound{d}"]
+    assert s.arms == robustness.WIDTH_ARMS + ("stiefel_box",)
+    assert (s.base.n_embd, s.grid) == (d, grid)
+    assert s.plan == robustness.BOUND_STUDY_PLAN
+    box = robustness.sweep_config(s, "stiefel_box", 1e-2)
+    ref = robustness.sweep_config(s, "stiefel", 1e-2)
+    assert (box.stiefel_learning_rate, box.max_step_norm) == (
+        ref.stiefel_learning_rate, ref.max_step_norm)
+    done = harness.finished_runs(sweep_lib.reused(s), current_version=True)
+    left = robustness.remaining(s, done, data)
+    assert len(left) == new and {t[0] for t in left} == {"stiefel_box"}
