@@ -33,6 +33,7 @@ from benchmarks.lm.data import default_data, load_corpus
 from benchmarks.lm.study import REFERENCE_DIR, point_config, study_data
 from benchmarks.lm.timing import iteration_rates, run_seconds
 from benchmarks.lm.train import STEPPED, train_run
+from benchmarks.reports import bound as bound_lib
 from benchmarks.reports import robustness as report_lib
 from benchmarks.reports import width as width_lib
 
@@ -106,8 +107,6 @@ WIDTH_CLAIM_SEEDS = {"discovery": harness.DISCOVERY_SEEDS[:4],
 # Where each width's runs are committed (under benchmarks/results).
 WIDTH_FOLDERS = {64: "lm_width/d64", 128: "lm_robustness",
                  256: "lm_width/d256"}
-# Where the cross-width report is committed.
-WIDTH_HOME = harness.REFERENCE_ROOT / "lm_width"
 
 
 def width_heading(d: int) -> str:
@@ -160,16 +159,36 @@ BOUND_STUDY_ARMS = WIDTH_ARMS + ("stiefel_box",)
 def bound_study(d: int, **changes) -> Sweep:
   """The width study's sweep at d with the box arm (the stiefel arm's
   ratio and cap)."""
-  return dataclasses.replace(
-      SWEEPS[f"width{d}"], arms=BOUND_STUDY_ARMS,
-      ratios={**RATIOS, "stiefel_box": RATIOS["stiefel"]},
-      plan=BOUND_STUDY_PLAN, claims=(), trend=None,
-      heading=f"## The closed logit bound: the sweep at d {d} (language"
-              " model)", **changes)
+  return dataclasses.replace(SWEEPS[f"width{d}"], **{
+      "arms": BOUND_STUDY_ARMS,
+      "ratios": {**RATIOS, "stiefel_box": RATIOS["stiefel"]},
+      "plan": BOUND_STUDY_PLAN, "claims": (), "trend": None,
+      "heading": f"## The closed logit bound: the sweep at d {d} (language"
+                 " model)", **changes})
 
 
+# The claims at d 256 (the plan's (a), (b) and (d); (c) is a count, in the
+# study's report): the box against each reference at their rates
+# (`report_lib.rate_eta`: at d 256 AdamW's best is 1e-3, so "high" is 1e-2,
+# 10x, and "high+1" 3e-2, "high+2" 0.1); one Holm family each.
+BOX = "stiefel_box"
+BOUND_CLAIMS = (
+    report_lib.Table(
+        "(a) the box at its own best sweep point against AdamW, QK-norm and"
+        " Stiefel-Adam, each at its own best",
+        tuple(((BOX, "best"), (a, "best"))
+              for a in ("adamw", "qk_norm", "stiefel"))),
+    report_lib.Table(
+        "(b) the box against QK-norm and Stiefel-Adam at 10x and 30x"
+        " AdamW's best rate (both arms of a row at the same rate)",
+        tuple(((BOX, r), (a, r)) for r in ("high", "high+1")
+              for a in ("qk_norm", "stiefel"))),
+    report_lib.Table(
+        "(d) the box against QK-norm at 100x AdamW's best rate",
+        (((BOX, "high+2"), ("qk_norm", "high+2")),), last=True))
 SWEEPS["bound128"] = bound_study(128, reuse=("lm_robustness", "lm_bound"))
-SWEEPS["bound256"] = bound_study(256, reuse=(WIDTH_FOLDERS[256],))
+SWEEPS["bound256"] = bound_study(256, reuse=(WIDTH_FOLDERS[256],),
+                                 claims=BOUND_CLAIMS)
 
 
 def sweep_config(sweep: Sweep, arm: str, eta: float) -> Config:
@@ -238,14 +257,16 @@ def eta_high(curve: Mapping) -> float:
 
 
 def claim_plan(sweep: Sweep, done: Mapping, data_id: str) -> dict:
-  """{"best": {arm: its best sweep eta}, "high": eta_high} on the tuning
-  seeds (the sweep complete); with a `trend`, "trend": eta_high of that
-  sweep's curves (None while it is not complete)."""
+  """{"best": {arm: its best sweep eta}, "high": eta_high, "points": the
+  grid in order} on the tuning seeds (the sweep complete); with a `trend`,
+  "trend": eta_high of that sweep's curves (None while it is not
+  complete)."""
   cs = report_lib.curves(sweep_lib.rows(sweep, done, names(sweep, data_id)),
                          LOSS_KEY)
   plan = dict(best={a: report_lib.summary(cs[a])["best_eta"]
                     for a in sweep.arms},
-              high=eta_high(cs[sweep.arms[0]]))
+              high=eta_high(cs[sweep.arms[0]]),
+              points=sorted(cs[sweep.arms[0]]))
   if sweep.trend:
     other = SWEEPS[sweep.trend]
     name = names(other, data_id)
@@ -255,27 +276,45 @@ def claim_plan(sweep: Sweep, done: Mapping, data_id: str) -> dict:
   return plan
 
 
+def claim_tables(sweep: Sweep) -> list:
+  """The sweep's claims tables in the order their runs are planned: its
+  `claims`, each a `report_lib.Table` or "best" / "high" (every arm
+  against AdamW there)."""
+  return [report_lib.every_arm(c, sweep.arms) if isinstance(c, str) else c
+          for c in sweep.claims]
+
+
 def claim_tasks(sweep: Sweep, plan: Mapping) -> list:
   """The claims' runs, (arm, eta, seed): per stage, every discovery seed
-  before any confirmation seed, the tables of `claims` in turn (every arm
-  at its best, or at the high rate; a run two tables share once), then
-  the trend's terms (arm, eta, seed, trend): every arm of that sweep at its
-  eta_high. While the trend's sweep is not complete, no confirmation seed
-  is planned (every row of every table is run on discovery seeds first)."""
+  before any confirmation seed, the tables in turn (per seed, the table's
+  arms in the sweep's order at their rates; a run two tables share once),
+  then the trend's terms (arm, eta, seed, trend): every arm of that sweep
+  at its eta_high; a table marked `last` after both stages of the others.
+  While the trend's sweep is not complete, no confirmation seed is planned
+  (every row of every table is run on discovery seeds first)."""
   out = []
-  for stage in ("discovery", "confirmation"):
-    for which in sweep.claims:
+
+  def add(tables, stage):
+    for table in tables:
+      used = [(a, r) for row in table.rows for a, r in row]
       for seed in sweep.claim_seeds[stage]:
         for arm in sweep.arms:
-          eta = plan["best"][arm] if which == "best" else plan["high"]
-          if (arm, eta, seed) not in out:
-            out.append((arm, eta, seed))
+          for a, r in dict.fromkeys(used):
+            t = (arm, report_lib.rate_eta(plan, arm, r), seed)
+            if a == arm and t not in out:
+              out.append(t)
+
+  tables = claim_tables(sweep)
+  for stage in ("discovery", "confirmation"):
+    add([t for t in tables if not t.last], stage)
     if sweep.trend:
       if plan["trend"] is None:
-        break
+        return out
       out += [(arm, plan["trend"], seed, sweep.trend)
               for seed in sweep.claim_seeds[stage]
               for arm in SWEEPS[sweep.trend].arms]
+  for stage in ("discovery", "confirmation"):
+    add([t for t in tables if t.last], stage)
   return out
 
 
@@ -287,7 +326,8 @@ def claim_runs(sweep: Sweep, done: Mapping, data_id: str) -> dict:
       sweep, done, names(sweep, data_id)):
     return {}
   plan = claim_plan(sweep, done, data_id)
-  out = {"plan": plan, "discovery": [], "confirmation": [],
+  out = {"plan": plan, "tables": claim_tables(sweep),
+         "discovery": [], "confirmation": [],
          "trend": {"discovery": [], "confirmation": []}}
   for t in claim_tasks(sweep, plan):
     rec = done.get(task_name(sweep, t, data_id))
@@ -336,9 +376,11 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
   sweep's RESULTS.md section (with results_md) is the cross-width one:
   `width_report` of the plan's folders, rewritten into
   benchmarks/results/lm_width after this width's own report."""
-  if results_md is not None and sweep.plan == WIDTH_PLAN:
+  if results_md is not None and sweep.plan in STUDIES:
+    study = STUDIES[sweep.plan]
     robustness_report(sweep, preset, out, data_id)
-    return width_report(WIDTH_HOME, results_md=results_md)
+    return width_report(harness.REFERENCE_ROOT / study.home,
+                        results_md=results_md, study=study)
   done = sweep_lib.saved(out, sweep)
   data_id = study_data(done.values())
   cfg = sweep.base
@@ -362,17 +404,45 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
 WIDTH_SECTION = "## Learning-rate robustness across width (language model)"
 
 
+@dataclasses.dataclass(frozen=True)
+class WidthStudy:
+  """A cross-width report: its plan, heading, folder (`home`, under
+  benchmarks/results), {d: (SWEEPS name, folder under benchmarks/results)}
+  and the sweep whose `--report-only` regenerates it (its largest width's);
+  `bound`: the closed bound's tables and figure after the claims."""
+  plan: str
+  heading: str
+  home: str
+  widths: Mapping
+  bound: bool = False
+
+  def default_widths(self) -> dict:
+    return {d: (SWEEPS[s], harness.REFERENCE_ROOT / f)
+            for d, (s, f) in self.widths.items()}
+
+
+WIDTH_STUDY = WidthStudy(
+    WIDTH_PLAN, WIDTH_SECTION, "lm_width",
+    {d: (f"width{d}", f) for d, f in WIDTH_FOLDERS.items()})
+BOUND_STUDY = WidthStudy(
+    BOUND_STUDY_PLAN, "## The closed logit bound across width (language"
+    " model)", "lm_bound",
+    {64: ("width64", WIDTH_FOLDERS[64]), 128: ("bound128", "lm_bound/d128"),
+     256: ("bound256", "lm_bound/d256")}, bound=True)
+STUDIES = {s.plan: s for s in (WIDTH_STUDY, BOUND_STUDY)}
+
+
 def width_report(out: pathlib.Path, widths: Optional[Mapping] = None,
-                 results_md: Optional[pathlib.Path] = None) -> dict:
-  """The cross-width report (`benchmarks.reports.width`) written to out:
-  widths {d: (its sweep, its folder)}, default the plan's (SWEEPS
-  width64/128/256 in WIDTH_FOLDERS under benchmarks/results); a folder
-  without runs is a width shown as missing. After the figures: the largest
-  width's claims tables ((a), (b), (c); once its sweep is complete) and a
-  link to each width's own report; its figures linked from results_md's
+                 results_md: Optional[pathlib.Path] = None,
+                 study: WidthStudy = WIDTH_STUDY) -> dict:
+  """The study's cross-width report (`benchmarks.reports.width`) written
+  to out: widths {d: (its sweep, its folder)}, default the study's; a
+  folder without runs is a width shown as missing. After the figures: the
+  largest width's claims tables (once its sweep is complete), for the
+  bound study its logits against the certified bound (`bound_lines`), and
+  a link to each width's own report; its figures linked from results_md's
   folder in the returned section."""
-  widths = widths or {d: (SWEEPS[f"width{d}"], harness.REFERENCE_ROOT / f)
-                      for d, f in WIDTH_FOLDERS.items()}
+  widths = widths or study.default_widths()
   cs, left, read = {}, {}, {}
   for d, (sweep, folder) in sorted(widths.items()):
     done = sweep_lib.saved(folder, sweep)
@@ -387,29 +457,65 @@ def width_report(out: pathlib.Path, widths: Optional[Mapping] = None,
   sweep, done, data_id = read[top]
   runs = claim_runs(sweep, done, data_id)   # {} until its sweep is complete
   claims_left = len(remaining(sweep, done, data_id))
+  home = harness.REFERENCE_ROOT / study.home
   # FIGURES/: the report's folder as the RESULTS.md that shows the section
-  # sees it; each link is written as from WIDTH_HOME, so a report written
-  # elsewhere (a test's copy) has the same bytes
+  # sees it; each link is written as from the study's home, so a report
+  # written elsewhere (a test's copy) has the same bytes
   link = lambda folder: "FIGURES/" + pathlib.Path(os.path.relpath(
       pathlib.Path(folder, "robustness.md").resolve(),
-      WIDTH_HOME.resolve())).as_posix()
+      home.resolve())).as_posix()
+  regen, regen_folder = study.widths[max(study.widths)]
   more = ["Each width's own report (curves, logits, step records): "
           + ", ".join(f"[d {d}]({link(folder)})"
                       for d, (_, folder) in sorted(widths.items())) + ".",
           "", "Regenerate (each width's report, then this one):"
-          " `python -m benchmarks lm --robustness --sweep width256"
-          " --report-only --out benchmarks/results/lm_width/d256"
-          " --results-md benchmarks/RESULTS.md`.",
-          "", f"The claims at the largest width, d {top}"
-          + (f" ({claims_left} of their planned runs left):" if runs else
-             ": not run yet (its sweep is not complete)."), ""]
+          f" `python -m benchmarks lm --robustness --sweep {regen}"
+          f" --report-only --out benchmarks/results/{regen_folder}"
+          " --results-md benchmarks/RESULTS.md`.", ""]
+  if study.bound:
+    more += bound_lines(read, out)
+  more += [f"The claims at the largest width, d {top}"
+           + (f" ({claims_left} of their planned runs left):" if runs else
+              ": not run yet (its sweep is not complete)."), ""]
   if runs:
     more += report_lib.claim_lines(runs, arms, LOSS_KEY,
                                    "whole-split validation loss",
                                    sweep.bootstrap)
   return width_lib.report(
-      out, cs, arms, sorted(widths), plan=WIDTH_PLAN, left=left, more=more,
-      figures=sweep_lib.figures(out, results_md), heading=WIDTH_SECTION)
+      out, cs, arms, sorted(widths), plan=study.plan, left=left, more=more,
+      figures=sweep_lib.figures(out, results_md), heading=study.heading)
+
+
+def bound_lines(read: Mapping, out: pathlib.Path) -> list:
+  """The bound study's logits (`benchmarks.reports.bound`): per width the
+  largest logit of every arm at every rate beside the box's certified
+  bound, its figure, and the plan's count (c) over every box run of the
+  width (sweep and claims)."""
+  rows, bounds, counts = {}, {}, {}
+  for d, (sweep, done, data_id) in sorted(read.items()):
+    rows[d] = sweep_lib.rows(sweep, done, names(sweep, data_id))
+    cfg = dataclasses.asdict(sweep.base)
+    bounds[d] = {a: bound_lib.certified(cfg, *BOUND_ARMS[a])
+                 for a in sweep.arms if a in BOUND_ARMS}
+    for a, b in bounds[d].items():
+      counts[(d, a)] = [
+          bound_lib.layer_counts(r["history"].get("max_logit", []), b)
+          for r in done.values()
+          if r.get("arm") == a and r["config"]["n_embd"] == d
+          and sweep_lib.finished(r) and harness.matches(r)]
+  arms = list(dict.fromkeys(a for sw, _, _ in read.values()
+                            for a in sw.arms))
+  bound_lib.plot_logits(rows, arms, bounds, out / "bound_logits.png")
+  return (["The largest attention logit (max over tuning seeds, layers and"
+           " evaluations) at every rate, beside the certified bound of the"
+           " box (d / sqrt(head_dim) with |g| <= 1; the other arms certify"
+           " none: their gains train freely):", ""]
+          + bound_lib.logit_lines(rows, arms, bounds)
+          + ["![largest logit against eta](FIGURES/bound_logits.png)", "",
+             "The plan's (c), a count, not a test: every run of the box at"
+             " each width (sweep and claims), its per-layer evaluations and"
+             " those whose largest logit exceeds the certified bound:", ""]
+          + bound_lib.count_lines(counts) + [""])
 
 
 BENCH = sweep_lib.Bench(sweeps=SWEEPS, folder="lm_robustness",

@@ -30,6 +30,7 @@ where the arm has runs (the report says how many).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 from typing import Mapping, Optional, Sequence
@@ -220,18 +221,61 @@ def capped_losses(rows: Sequence[Mapping], arm: str, eta: float,
           if r["arm"] == arm and r["eta"] == eta}
 
 
-def claim_rows(rows: Sequence[Mapping], plan: Mapping, which: str,
-               arms: Sequence[str], loss_key: str,
-               reference: str = "adamw", bootstrap: bool = False) -> list:
-  """A claims table (`stats.comparison_rows`, Holm across it): each arm
-  against the reference, both at their best sweep points (which="best")
-  or both at plan["high"]; the capped final loss, paired by seed (with
-  `bootstrap`, each row's bootstrap interval beside its t-interval)."""
-  eta = lambda a: plan["best"][a] if which == "best" else plan["high"]
-  score = lambda c, role: capped_losses(rows, c[role], eta(c[role]),
-                                        loss_key)
-  pairs = [dict(treatment=a, baseline=reference, eta=eta(a),
-                baseline_eta=eta(reference)) for a in arms if a != reference]
+def rate_eta(plan: Mapping, arm: str, rate: str) -> float:
+  """The eta a claims table's rate names: "best", the arm's own best sweep
+  point; "high", plan["high"]; "high+k", the sweep's grid point k above it
+  (plan["points"], the grid in order).
+
+  >>> plan = dict(best={"a": 1e-3}, high=1e-2, points=[1e-3, 1e-2, 3e-2])
+  >>> [rate_eta(plan, "a", r) for r in ("best", "high", "high+1")]
+  [0.001, 0.01, 0.03]
+  """
+  if rate == "best":
+    return plan["best"][arm]
+  pts, (_, _, up) = plan.get("points", ()), rate.partition("+")
+  return pts[pts.index(plan["high"]) + int(up)] if up else plan["high"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """A claims table, fixed before its runs: its title and its rows, each
+  ((treatment arm, rate), (baseline arm, rate)) with a `rate_eta` rate;
+  one Holm family. `last`: its runs follow every other table's, both seed
+  blocks."""
+  title: str
+  rows: tuple
+  last: bool = False
+
+  def arms(self) -> list:
+    return list(dict.fromkeys(a for row in self.rows for a, _ in row))
+
+
+def every_arm(which: str, arms: Sequence[str],
+              reference: str = "adamw") -> Table:
+  """The sweeps' own tables: every arm against the reference, both at
+  their best sweep points ("best", table (a)) or at the high rate ("high",
+  table (b))."""
+  return Table(CLAIMS[which], tuple(((a, which), (reference, which))
+                                    for a in arms if a != reference))
+
+
+def claim_rows(rows: Sequence[Mapping], plan: Mapping, table: Table,
+               loss_key: str, bootstrap: bool = False) -> list:
+  """A claims table's rows (`stats.comparison_rows`, Holm across it): each
+  treatment against its baseline at their rates; the capped final loss,
+  paired by seed (with `bootstrap`, each row's bootstrap interval beside
+  its t-interval). Where the table's rows name more than one rate, each
+  row's treatment eta is its 'size' (a column)."""
+  sized = len({r for row in table.rows for _, r in row}) > 1
+  pairs = []
+  for (a, ra), (b, rb) in table.rows:
+    eta = rate_eta(plan, a, ra)
+    pairs.append(dict(treatment=a, baseline=b, eta=eta,
+                      baseline_eta=rate_eta(plan, b, rb),
+                      **({"size": fmt_eta(eta)} if sized else {})))
+  score = lambda c, role: capped_losses(
+      rows, c[role], c["eta" if role == "treatment" else "baseline_eta"],
+      loss_key)
   return stats.comparison_rows(pairs, score, lower_is_better=True,
                                bootstrap=bootstrap)
 
@@ -283,47 +327,74 @@ def trend_lines(rows: list, digits: int = 4) -> list:
        for r in rows])
 
 
-def findings_lines(tables: Mapping, arms: Sequence[str]) -> list:
+# A row of a claims table is its arms at their rates.
+ROW_KEY = ("treatment", "baseline", "eta", "baseline_eta")
+
+
+def findings_lines(tables: Mapping, arms: Sequence[str],
+                   key: Sequence[str] = ("treatment", "baseline")) -> list:
   """The claims policy's findings from a table's discovery and
-  confirmation rows."""
+  confirmation rows (a row's twin: the row agreeing on `key`)."""
   found = stats.confirmed(tables["discovery"], tables["confirmation"],
-                          arms=arms)
+                          key=key, arms=arms)
   complete = stats.confirmation_complete(
-      tables["discovery"], tables["confirmation"], arms=arms)
+      tables["discovery"], tables["confirmation"], key=key, arms=arms)
   return ["Findings: " + ("; ".join(
-      harness.finding_text(r, "", digits=4) for r in found) or "none")
+      harness.finding_text(r, "", digits=4,
+                           size="eta" if "size" in r else None)
+      for r in found) or "none")
           + ("." if complete else " (confirmation not complete: none"
              " can be read yet)."), ""]
 
 
+def claim_tables(claims: Mapping, arms: Sequence[str]) -> list:
+  """The claims' tables in the report's order (by title): claims["tables"]
+  where the sweep fixes its own, else (a) and (b) of every arm."""
+  tables = claims.get("tables") or [every_arm(w, arms) for w in CLAIMS]
+  return sorted(tables, key=lambda t: t.title)
+
+
 def claim_lines(claims: Mapping, arms: Sequence[str], loss_key: str,
                 loss_text: str, bootstrap: bool = False) -> list:
-  """The claims tables (a) and (b), and (c) where the claims hold the
-  trend's runs, on discovery and confirmation seeds, and the findings by
-  the claims policy (with `bootstrap`, each row's bootstrap interval)."""
+  """The claims tables ((a) and (b) of every arm, or the sweep's own), and
+  (c) where the claims hold the trend's runs, on discovery and
+  confirmation seeds, and the findings by the claims policy (with
+  `bootstrap`, each row's bootstrap interval)."""
   plan = claims["plan"]
   trend = "trend" in claims
-  out = ["### Claims (the plan's tables (a)" + (", (b) and (c))" if trend
-                                                else " and (b))"), "",
+  tables = claim_tables(claims, arms)
+  names = [t.title.split(" ", 1)[0] for t in tables] + (
+      ["(c)"] if trend else [])
+  against = {b for t in tables for _, (b, _) in t.rows}
+  rates = sorted({r for t in tables for row in t.rows for _, r in row
+                  if r.startswith("high+")})
+  out = ["### Claims (the plan's " + (
+      f"tables {', '.join(names[:-1])} and {names[-1]})" if len(names) > 1
+      else f"table {names[0]})"), "",
          "Best sweep points (tuning seeds): " + ", ".join(
              f"{a} {fmt_eta(e)}" for a, e in plan["best"].items())
-         + f"; the high rate: eta {fmt_eta(plan['high'])}. Loss: the"
-         f" capped final {loss_text}; difference: treatment"
-         " - adamw (negative: the treatment is better); wins: seeds where"
+         + f"; the high rate: eta {fmt_eta(plan['high'])}"
+         + "".join(f"; {r}: eta {fmt_eta(rate_eta(plan, '', r))}"
+                   for r in rates)
+         + f". Loss: the capped final {loss_text}; difference: treatment"
+         + (f" - {next(iter(against))}" if len(against) == 1 else
+            " - baseline")
+         + " (negative: the treatment is better); wins: seeds where"
          " it is lower." + (" Intervals: the t-interval, and beside it the"
                             " percentile bootstrap over seeds (10,000"
                             " resamples, generator seed 0)." if bootstrap
                             else ""), ""]
-  for which, title in CLAIMS.items():
-    tables = {st: claim_rows(claims[st], plan, which, arms,
-                             loss_key=loss_key, bootstrap=bootstrap)
-              for st in ("discovery", "confirmation")}
-    out += [f"#### {title}", ""]
-    for st, rows in tables.items():
+  for table in tables:
+    rows = {st: claim_rows(claims[st], plan, table, loss_key=loss_key,
+                           bootstrap=bootstrap)
+            for st in ("discovery", "confirmation")}
+    out += [f"#### {table.title}", ""]
+    for st, r in rows.items():
       out += [f"{st.capitalize()} seeds:", ""]
-      out += (harness.comparison_lines(rows, "loss", digits=4)
-              if rows else ["Not run yet."]) + [""]
-    out += findings_lines(tables, arms)
+      out += (harness.comparison_lines(
+          r, "loss", digits=4, size="eta" if r and "size" in r[0] else None)
+              if r else ["Not run yet."]) + [""]
+    out += findings_lines(rows, table.arms(), ROW_KEY)
   if trend:
     out += [f"#### {TREND}", ""]
     if plan["trend"] is None:

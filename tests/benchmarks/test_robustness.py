@@ -616,3 +616,108 @@ def test_bound_study_sweeps_plan_only_the_new_box_runs():
     done = harness.finished_runs(sweep_lib.reused(s), current_version=True)
     left = robustness.remaining(s, done, data)
     assert len(left) == new and {t[0] for t in left} == {"stiefel_box"}
+
+
+def test_bound256_claims_plan_the_box_rows_and_reuse_the_width_claims():
+  """The bound study's claims at d 256 on the committed runs and a synthetic
+  box sweep (best at 3e-3): the rates are the plan's (10x = 1e-2, 30x =
+  3e-2, 100x = 0.1); on the discovery seeds only the runs the width study
+  did not make are planned (the box at 3e-3, 1e-2 and 3e-2, qk_norm and
+  stiefel at 3e-2), every discovery run before any confirmation run, and
+  table (d) (0.1) after both blocks of (a) and (b)."""
+  s, data = robustness.SWEEPS["bound256"], (
+      "tinyshakespeare:md5=6fb458f1232090904fb40fe944165e91")
+  name = robustness.names(s, data)
+  done = harness.finished_runs(sweep_lib.reused(s), current_version=True)
+  cfg = {"n_embd": 256}
+  rec = lambda loss: dict(
+      final={"val_loss_full": loss}, stopped=None, config=cfg, data=data,
+      numerics_version=harness.numerics_version(),
+      identity=harness.run_identity(cfg, data), history={"val_loss": [4.2]})
+  box = [t for t in sweep_lib.tasks(s, done, name) if t[0] == "stiefel_box"]
+  for t in box + [("stiefel_box", 3e-4, sd) for sd in (100, 101)]:
+    done[name(t)] = rec(1.5 + abs(np.log10(t[1] / 3e-3)))
+  assert robustness.grid(s, done, data) == (3e-4,) + s.grid
+  plan = robustness.claim_plan(s, done, data)
+  assert plan["best"]["stiefel_box"] == 3e-3 and plan["high"] == 1e-2
+  rate = lambda r: report_lib.rate_eta(plan, "stiefel_box", r)
+  assert (rate("high+1"), rate("high+2")) == (3e-2, 0.1)
+  left = robustness.remaining(s, done, data)
+  first = [t for t in left[:-18] if t[2] == 0]
+  assert sorted(first) == sorted(
+      [("stiefel_box", e, 0) for e in (3e-3, 1e-2, 3e-2)]
+      + [(a, 3e-2, 0) for a in ("stiefel", "qk_norm")])
+  stage = [t[2] >= 500 for t in left]
+  last = [t[1] == 0.1 for t in left]
+  assert last.index(True) == len(left) - 18 and all(last[-18:])
+  assert stage[:-18] == sorted(stage[:-18]) and not any(stage[:16])
+  assert len(left) == 5 * 9 + 2 * 9
+
+
+def test_claims_tables_of_the_box_key_their_rows_by_rate():
+  """A sweep's own claims table (report_lib.Table): rows that share their
+  arms at two rates are two comparisons (an eta column, each its own
+  confirmation twin and finding), the header names the baselines' word and
+  the rates; (a) and (b) of every arm read as before."""
+  rec = lambda loss: dict(final={"val_loss_full": loss}, stopped=None,
+                          history={"val_loss": [9.0]})
+  plan = dict(best={"qk_norm": 0.01, "stiefel_box": 0.01}, high=0.1,
+              points=[0.01, 0.1, 0.3])
+  table = report_lib.Table("(b) box against qk_norm", tuple(
+      (("stiefel_box", r), ("qk_norm", r)) for r in ("high", "high+1")))
+
+  def runs(seeds, gap):
+    return [dict(arm=a, eta=e, seed=sd, record=rec(
+        2.0 + (gap(e) + sd % 100 / 1000 if a == "stiefel_box" else 0)))
+            for sd in seeds for e in (0.1, 0.3)
+            for a in ("qk_norm", "stiefel_box")]
+  gap = lambda e: -0.2 if e == 0.1 else 0.3
+  claims = {"plan": plan, "tables": [table],
+            "discovery": runs((0, 1, 2, 3), gap),
+            "confirmation": runs((500, 501, 502, 503), gap)}
+  text = "\n".join(report_lib.claim_lines(
+      claims, ["qk_norm", "stiefel_box"], "val_loss_full", "loss"))
+  assert "### Claims (the plan's table (b))" in text
+  assert "high+1: eta 0.3" in text and "treatment - qk_norm" in text
+  assert "| stiefel_box | qk_norm | 0.1 | 500-503 |" in text
+  assert "| stiefel_box | qk_norm | 0.3 | 500-503 |" in text
+  assert ("Findings: stiefel_box - qk_norm, eta = 0.1: -0.1985" in text
+          and "; stiefel_box - qk_norm, eta = 0.3: +0.3015" in text)
+  # a sign that flips between the blocks is no finding
+  claims["confirmation"] = runs((500, 501, 502, 503), lambda e: -gap(e))
+  text = "\n".join(report_lib.claim_lines(
+      claims, ["qk_norm", "stiefel_box"], "val_loss_full", "loss"))
+  assert "Findings: none." in text
+
+
+def test_bound_lines_count_the_box_evaluations_above_its_certified_bound(
+    tmp_path):
+  """The bound study's logit section on a toy sweep: the certified bound
+  of the box is d / sqrt(head_dim); an evaluation above it by more than
+  the relative tolerance (or not finite) is counted, one within it is not;
+  the table shows each arm's largest logit per rate and the figure is
+  written."""
+  sweep = dataclasses.replace(
+      robustness.QUICK_SWEEP, arms=("adamw", "stiefel_box"),
+      grid=(1e-2, 0.1), extension=(), claims=(),
+      ratios={"stiefel_box": {"stiefel_learning_rate": 30.0}})
+  d, hd = sweep.base.n_embd, sweep.base.n_embd // sweep.base.n_head
+  bound = d / np.sqrt(hd)
+  data = "d"
+  name = robustness.names(sweep, data)
+  logits = {("stiefel_box", 1e-2): [[bound * 0.5, bound * (1 + 1e-5)]],
+            ("stiefel_box", 0.1): [[bound * 1.01], [None]],
+            ("adamw", 1e-2): [[1e3]], ("adamw", 0.1): [[1e4]]}
+  cfg = {"n_embd": d}
+  done = {name(t): dict(
+      arm=t[0], config=cfg, final={"val_loss_full": 2.0}, stopped=None,
+      data=data, numerics_version=harness.numerics_version(),
+      identity=harness.run_identity(cfg, data),
+      history={"val_loss": [4.0], "max_logit": logits[t[:2]]})
+          for t in sweep_lib.tasks(sweep, {}, name)}
+  lines = robustness.bound_lines({d: (sweep, done, data)}, tmp_path)
+  text = "\n".join(lines)
+  row = [ln for ln in lines if ln.startswith(f"| d {d} | stiefel_box |")]
+  assert row == [f"| d {d} | stiefel_box | 2 | 4 | 2 | 1.0100 |"]
+  assert "| adamw | 1000 | 1e+04 | |" in text
+  assert (tmp_path / "bound_logits.png").stat().st_size > 0
