@@ -17,10 +17,11 @@ from stiefel_optax.aliases import (
 from stiefel_optax.muon import (
     ScaleByTangentMsignState, msign, scale_by_tangent_msign, stiefel_muon,
     tangent_msign)
-from stiefel_optax.specs import (
-    FRAME_PRESETS, FrameSpec, Selector, check_axis_mapping, equinox_specs,
-    frame_specs, fused_qkv, haiku_mha, maxtext_fused_qkv, path_str,
-    selected_frames)
+from stiefel_optax.specs import FrameSpec, path_str
+from stiefel_optax.families import (
+    FRAME_PRESETS, equinox_specs, fused_qkv, haiku_mha, maxtext_fused_qkv)
+from stiefel_optax.named_axes import check_axis_mapping
+from stiefel_optax.selector import Selector, frame_specs, selected_frames
 from stiefel_optax.views import (
     from_frames, map_frames, merge_frames, split_frames, to_frames)
 from stiefel_optax.partition import FramePartitionState, frame_partition

@@ -54,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stiefel_optax import checks, specs as specs_lib, views
+from stiefel_optax import (
+    checks, named_axes, selector, specs as specs_lib, views)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +178,7 @@ def leaf_names(params) -> list:
 
 
 def _mapping_fn(rules: Mapping, what: str):
-  compiled = specs_lib.compile_rules(rules, "gains", GainSpec)
+  compiled = selector.compile_rules(rules, "gains", GainSpec)
 
   def fn(name, leaf):
     hits = {s for c, s in compiled.values() if c.search(name)}
@@ -300,7 +301,7 @@ def gain_specs(params, gains: GainSelector = None) -> list:
           " axis). Fix the selector (gains=) so that it names the norm's"
           " scale and bias only.")
     if axis_names is None:
-      axis_names = specs_lib.axis_names(params)
+      axis_names = named_axes.axis_names(params)
     axis = _resolve_axis(spec, path, shape, axis_names.get(path))
     out.append((path, leaf, Gain(path, name, spec, axis)))
   for pattern, compiled in must_match.items():
@@ -496,7 +497,7 @@ def _qk_bias(params_by_path: dict, path: str, x, spec) -> Optional[np.ndarray]:
 
 
 def attention_logit_bound(params, *, gains: GainSelector = None,
-                          frames: specs_lib.Selector = None,
+                          frames: selector.Selector = None,
                           epsilon: float = 0.0,
                           max_input_norm: Optional[float] = None) -> dict:
   """The largest attention logit any input can produce, per attention block.
@@ -588,7 +589,7 @@ def attention_logit_bound(params, *, gains: GainSelector = None,
     block = _block_of(g.name)
     token[block] = max(token.get(block, 0.0), t)
   out = {}
-  for path, x, spec in specs_lib.frame_specs(params, frames):
+  for path, x, spec in selector.frame_specs(params, frames):
     if spec is None:
       continue
     name = names[path]

@@ -112,7 +112,7 @@ def split_groups(tree, items):
   Args:
     tree: a tree of the parameters' structure.
     items: ``[(path, leaf, FrameSpec | None)]`` for its leaves in
-      flattening order, as `specs.frame_specs(params, frames)` gives.
+      flattening order, as `selector.frame_specs(params, frames)` gives.
 
   Returns:
     (frames, rest), two trees of the structure of `tree`.

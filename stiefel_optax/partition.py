@@ -1,7 +1,7 @@
 """One partition of a parameter tree into Stiefel frames and the rest.
 
 `frame_partition(stiefel_tx, euclidean_tx, frames)` is `optax.partition` with
-sub-leaf resolution: the frame selector (`specs`) gives each leaf a
+sub-leaf resolution: the frame selector (`selector`) gives each leaf a
 `FrameSpec` or None; `stiefel_tx` sees the frame views (batch..., d, r) of
 the selected leaves, `euclidean_tx` sees every other leaf unchanged and, of a
 fused leaf, the parts that are not frames. Both see the parameter tree's
@@ -35,7 +35,7 @@ from typing import Optional
 import jax
 import optax
 
-from stiefel_optax import checks, sharding, specs as specs_lib, views
+from stiefel_optax import checks, selector, sharding, views
 # The groups and the state layout live in `groups` (sharding reads them
 # too); their names stay importable from here.
 from stiefel_optax.groups import (  # noqa: F401
@@ -139,7 +139,7 @@ def check_state(stiefel_tx, state, f_params, stack_frames) -> None:
 
 def frame_partition(stiefel_tx: optax.GradientTransformation,
                     euclidean_tx: Optional[optax.GradientTransformation],
-                    frames: specs_lib.Selector = None, *,
+                    frames: selector.Selector = None, *,
                     orthonormal_start: str = "check",
                     stack_frames=False
                     ) -> optax.GradientTransformation:
@@ -161,7 +161,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
     euclidean_tx: the transform of every other leaf and of the parts of
       fused leaves that are not frames (e.g. `optax.adamw`); None: those
       get zero updates.
-    frames: the frame selector (`specs`): a preset name, a FrameSpec, a
+    frames: the frame selector (`selector`): a preset name, a FrameSpec, a
       mapping {path_regex: FrameSpec | None} or a callable.
     orthonormal_start: "check" (default): `init` on concrete params raises
       a ValueError naming any selected leaf whose frames are not
@@ -216,7 +216,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
       return sharding.variable_state(
           init_fn(sharding.unwrap_variables(params)), params, frames)
     warn_if_boxed(params)   # its boxes would mislabel the state
-    items = specs_lib.frame_specs(params, frames)
+    items = selector.frame_specs(params, frames)
     # The one start check of init, naming each kernel (`checks.check_start`;
     # traced frames, an init under jit, are checked when the init runs).
     for path, x, spec in items:
@@ -251,7 +251,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
                        **extra_args)
       return (sharding.rewrap_like(updates, u),
               sharding.rewrap_like(state, s))
-    items = specs_lib.frame_specs(params, frames)
+    items = selector.frame_specs(params, frames)
     checks.check_same_structure(updates, params, "frame_partition")
     f_updates, r_updates = split_groups(updates, items)
     f_params, r_params = split_groups(params, items)

@@ -76,7 +76,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stiefel_optax import groups, specs as specs_lib
+from stiefel_optax import groups, named_axes, selector, specs as specs_lib
 from stiefel_optax.specs import FrameSpec
 
 _SHARDING_TYPES = (NamedSharding, PartitionSpec)
@@ -279,7 +279,7 @@ class _Mapper:
       return self._groups
     try:
       items = (self.items if self.items is not None else
-               specs_lib.frame_specs(self.params, self.frames))
+               selector.frame_specs(self.params, self.frames))
     except ValueError as err:
       raise ValueError(
           f"state_shardings: {err} (state_shardings selects the frames as"
@@ -488,7 +488,7 @@ def _check_shardings(params, param_shardings) -> list:
 
 def state_shardings(tx: optax.GradientTransformation, params,
                     param_shardings=None, *,
-                    frames: specs_lib.Selector = None):
+                    frames: selector.Selector = None):
   """The optimizer state's shardings, from the parameters'.
 
   Maps a tree of parameter shardings to one for `tx.init(params)`, as
@@ -666,7 +666,7 @@ def _can_shard(meta) -> bool:
   return not jax.sharding.get_abstract_mesh().empty
 
 
-def variable_state(state, params, frames: specs_lib.Selector = None):
+def variable_state(state, params, frames: selector.Selector = None):
   """The state `state` (made from the values of `params`) with each leaf
   that mirrors a parameter in a Variable of that parameter's type and
   metadata, its sharding mapped to the leaf's layout.
@@ -783,13 +783,13 @@ def named_state(state, params, items):
     state: the Stiefel transform's state over `groups.split_groups(params,
       items)[0]` (stack_frames=False).
     params: the parameters, a tree holding Haliax NamedArrays.
-    items: `specs.frame_specs(params, frames)`.
+    items: `selector.frame_specs(params, frames)`.
 
   Returns:
     `state` with NamedArrays in place of the leaves that mirror frame views.
   """
   named = groups._named_array_type()  # pylint: disable=protected-access
-  names = specs_lib.axis_names(params)
+  names = named_axes.axis_names(params)
   shardings = [PartitionSpec(*(names.get(path) or ()))
                for path, _, _ in items]
 
