@@ -9,9 +9,9 @@ from stiefel_optax.geometry import (
     isometry_error, polar, random_frames, retract)
 from stiefel_optax.newton_schulz import newton_schulz_steps
 from stiefel_optax.transforms import (
-    MasterFramesState, ScaleByFrameAdamState, check_orthonormal_start,
-    clip_frame_norm, project_to_tangent, retract_polar, scale_by_frame_adam,
-    tangent_sq_norm)
+    ScaleByFrameAdamState, check_orthonormal_start, clip_frame_norm,
+    project_to_tangent, scale_by_frame_adam, tangent_sq_norm)
+from stiefel_optax.retraction import MasterFramesState, retract_polar
 from stiefel_optax.aliases import (
     one_pass_chain, riemannian_sgd, stiefel_adam, upcast_float16)
 from stiefel_optax.muon import (
