@@ -25,7 +25,8 @@ from stiefel_optax.selector import Selector, frame_specs, selected_frames
 from stiefel_optax.views import (
     from_frames, map_frames, merge_frames, split_frames, to_frames)
 from stiefel_optax.partition import FramePartitionState, frame_partition
-from stiefel_optax.sharding import frame_view_spec, state_shardings
+from stiefel_optax.sharding import state_shardings
+from stiefel_optax.view_sharding import frame_view_spec
 from stiefel_optax.attention import stiefel_attention
 from stiefel_optax.bound import (
     GAIN_CONSTRAINTS, GAIN_PRESETS, GainSpec, attention_logit_bound,
