@@ -28,9 +28,9 @@ from stiefel_optax.partition import FramePartitionState, frame_partition
 from stiefel_optax.sharding import state_shardings
 from stiefel_optax.view_sharding import frame_view_spec
 from stiefel_optax.attention import stiefel_attention
+from stiefel_optax.gains import GAIN_PRESETS, GainSpec, gain_specs
 from stiefel_optax.bound import (
-    GAIN_CONSTRAINTS, GAIN_PRESETS, GainSpec, attention_logit_bound,
-    gain_specs, project_gains)
+    GAIN_CONSTRAINTS, attention_logit_bound, project_gains)
 from stiefel_optax.initializers import orthonormal_heads_init, orthonormalize
 from stiefel_optax.diagnostics import (
     check_frames, frame_isometry_errors, frame_movement, max_isometry_error)

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stiefel_optax import aliases, bound as bound_lib, partition, selector
+from stiefel_optax import (
+    aliases, bound as bound_lib, gains as gains_lib, partition, selector)
 
 
 class _DefaultFloat(float):
@@ -248,7 +249,7 @@ def _gain_projection(gain_constraint, frames) -> optax.GradientTransformation:
   own transform."""
   if isinstance(gain_constraint, str):
     gains = (frames if isinstance(frames, str)
-             and frames in bound_lib.GAIN_PRESETS else "auto")
+             and frames in gains_lib.GAIN_PRESETS else "auto")
     if gain_constraint not in bound_lib.GAIN_CONSTRAINTS:
       raise ValueError(
           f"stiefel_attention: gain_constraint={gain_constraint!r} is not one"
