@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from stiefel_optax import (
-    checks, geometry, retraction as retraction_lib, transforms)
+    arrays, checks, geometry, retraction as retraction_lib, transforms)
 
 DEFAULT_MAX_STEP_NORM = 0.1
 
@@ -253,7 +253,7 @@ def one_pass_chain(
 
   def capped(m, s):
     """(s, ||xi||_F) per frame after the cap."""
-    norm = geometry.frame_norm(m) * jnp.abs(s)
+    norm = arrays.frame_norm(m) * jnp.abs(s)
     if max_step_norm is None:
       return s, norm
     factor = transforms.cap_factor(norm, max_step_norm)
@@ -269,8 +269,8 @@ def one_pass_chain(
     m, scale, lead_states = lead(updates, state[:n], frames)
     if scale is None:
       scale = jax.tree.map(
-          lambda w: jnp.ones(w.shape[:-2], geometry.compute_dtype(w.dtype),
-                             out_sharding=geometry.frame_scalar_sharding(w)),
+          lambda w: jnp.ones(w.shape[:-2], arrays.compute_dtype(w.dtype),
+                             out_sharding=arrays.frame_scalar_sharding(w)),
           params)
     s, lr_state = links[n].update(scale, state[n])       # -lr scale
     s, norm = transforms.unzip(jax.tree.structure(updates),

@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from stiefel_optax import checks, geometry, selector, views
+from stiefel_optax import arrays, checks, geometry, selector, views
 
 
 def _per_frame(fn, params, frames) -> dict:
@@ -177,8 +177,8 @@ def frame_movement(old_params, new_params,
       return b
     if not jnp.issubdtype(b.dtype, jnp.floating):
       return b - a
-    cdtype = geometry.compute_dtype(jnp.promote_types(a.dtype, b.dtype))
+    cdtype = arrays.compute_dtype(jnp.promote_types(a.dtype, b.dtype))
     return b.astype(cdtype) - a.astype(cdtype)
 
   diff = jax.tree.map(diff_leaf, old_params, new_params)
-  return _per_frame(geometry.frame_norm, diff, frames)
+  return _per_frame(arrays.frame_norm, diff, frames)

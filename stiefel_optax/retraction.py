@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stiefel_optax import checks, geometry
+from stiefel_optax import arrays, checks, geometry, newton_schulz
 
 
 class MasterFramesState(NamedTuple):
@@ -33,7 +33,7 @@ class MasterFramesState(NamedTuple):
 
 def needs_master(w) -> bool:
   """Whether a frame leaf is stored below its compute dtype (bf16, f16)."""
-  return geometry.compute_dtype(w.dtype) != jnp.dtype(w.dtype)
+  return arrays.compute_dtype(w.dtype) != jnp.dtype(w.dtype)
 
 
 def init_master(params, master_frames: bool, name: str):
@@ -64,7 +64,7 @@ def init_master(params, master_frames: bool, name: str):
   def copy(w):
     if not needs_master(w):
       return jnp.zeros((), jnp.float32)
-    cdtype = geometry.compute_dtype(w.dtype)
+    cdtype = arrays.compute_dtype(w.dtype)
     if isinstance(w, jax.ShapeDtypeStruct):   # an abstract init (a restore)
       return jnp.zeros_like(w, dtype=cdtype)
     return w.astype(cdtype)
@@ -84,7 +84,7 @@ def start_frames(state, params):
   def leaf(m, w):
     if not needs_master(w):
       return w
-    m = geometry.like(m, w)
+    m = arrays.like(m, w)
     return jnp.where(m.astype(w.dtype) == w, m, w.astype(m.dtype))
 
   return jax.tree.map(leaf, state.master, params)
@@ -121,7 +121,7 @@ def retract_polar(method: str = "newton_schulz", *,
   any full-rank W + xi (`geometry.retract`): method="eigh" is exact;
   method="newton_schulz" (matmul only) runs a fixed, derived step count
   sized for steps ||xi||_F <= max_step_norm on an orthonormal W (see
-  `geometry.newton_schulz_steps`), checks the result with a run-time
+  `newton_schulz.newton_schulz_steps`), checks the result with a run-time
   certificate, and falls back (on device) to an iteration scaled from
   (W + xi)^T (W + xi) itself when the certificate fails: a longer step, a W
   that is not orthonormal. A rank-deficient W + xi (a zero head) gets a
@@ -192,7 +192,7 @@ def retract_polar(method: str = "newton_schulz", *,
       else checks.check_max_step_norm("retract_polar", max_step_norm))
   if static_max_step_norm is not None and not tangent:  # and < 1, any step
     try:
-      geometry.newton_schulz_steps(static_max_step_norm, tangent=tangent)
+      newton_schulz.newton_schulz_steps(static_max_step_norm, tangent=tangent)
     except ValueError as err:
       raise ValueError(f"retract_polar: {err}") from None
 
@@ -220,7 +220,7 @@ def retracted(xi, w, method: str, static_max_step_norm: Optional[float],
               tangent: bool = True, step_norm=None):
   """polar(W + xi) for one leaf, in W's compute dtype (`retraction_update`
   without the difference)."""
-  cdtype = geometry.compute_dtype(w.dtype)
+  cdtype = arrays.compute_dtype(w.dtype)
   return geometry.retract(w.astype(cdtype), xi.astype(cdtype), method,
                           max_step_norm=static_max_step_norm,
                           tangent=tangent, step_norm=step_norm)
@@ -235,7 +235,7 @@ def retraction_update(xi, w, method: str,
   the trust region's max_step_norm as a Python float, None when there is
   none or it is traced (then the Newton–Schulz count is found at run
   time)."""
-  cdtype = geometry.compute_dtype(w.dtype)
+  cdtype = arrays.compute_dtype(w.dtype)
   w_c = w.astype(cdtype)
   # The fast path's count follows from max_step_norm and the compute dtype.
   new = geometry.retract(w_c, xi.astype(cdtype), method,

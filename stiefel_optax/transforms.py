@@ -19,17 +19,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stiefel_optax import checks, geometry
+from stiefel_optax import arrays, checks, geometry
 
 
 def _per_frame(fn, updates, params, *, with_params: bool = False):
   """fn(update) (with_params: fn(update, frame)) leafwise, computed in at
-  least float32 (`geometry.compute_dtype` of both dtypes) and cast to the
+  least float32 (`arrays.compute_dtype` of both dtypes) and cast to the
   params' dtype: an update has its parameter's dtype, as optax's do, so
   that bf16 gradients of float32 frames give float32 updates (rounding
   them to bf16 would round the step's result too)."""
   def leaf(u, w):
-    cdtype = geometry.compute_dtype(jnp.promote_types(u.dtype, w.dtype))
+    cdtype = arrays.compute_dtype(jnp.promote_types(u.dtype, w.dtype))
     args = (u.astype(cdtype),) + ((w.astype(cdtype),) if with_params else ())
     return fn(*args).astype(w.dtype)
   return jax.tree.map(leaf, updates, params)
@@ -293,8 +293,8 @@ def scale_by_frame_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         lambda w: jnp.zeros_like(w, dtype=mu_dtype or w.dtype), params)
     # One scalar per frame, sharded as the frames' batch axes.
     nu = jax.tree.map(
-        lambda w: jnp.zeros(w.shape[:-2], geometry.compute_dtype(w.dtype),
-                            out_sharding=geometry.frame_scalar_sharding(w)),
+        lambda w: jnp.zeros(w.shape[:-2], arrays.compute_dtype(w.dtype),
+                            out_sharding=arrays.frame_scalar_sharding(w)),
         params)
     return ScaleByFrameAdamState(jnp.zeros([], jnp.int32), mu, nu)
 
@@ -324,15 +324,15 @@ def frame_adam_moments(updates, state: ScaleByFrameAdamState, params,
   count = optax.safe_increment(state.count)
 
   def leaf(g_in, m, v, w):
-    cdtype = geometry.compute_dtype(w.dtype)
+    cdtype = arrays.compute_dtype(w.dtype)
     # Bias corrections in the frame's compute dtype (float64 frames get
     # float64 corrections, not float32 ones).
     t = count.astype(cdtype)
     bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
     # Under Explicit mesh axes a state placed apart from the frames is
     # resharded as they are (no op where it already is, or without them).
-    m = geometry.like(m, w)
-    v = geometry.reshard_to(v, geometry.frame_scalar_sharding(w))
+    m = arrays.like(m, w)
+    v = arrays.reshard_to(v, arrays.frame_scalar_sharding(w))
     g, m_c, w = g_in.astype(cdtype), m.astype(cdtype), w.astype(cdtype)
     # ||g||^2 is NaN or Inf iff g holds a NaN or Inf (or overflows it):
     # the reduction that v needs anyway is the finiteness test, with no
@@ -341,9 +341,9 @@ def frame_adam_moments(updates, state: ScaleByFrameAdamState, params,
     if project:
       mix = b1 * m_c + (1.0 - b1) * g
       # W^T mix from W^T m and W^T G: the second also gives ||P_W G||^2.
-      a = geometry.gram(w, g)
+      a = arrays.gram(w, g)
       g_sq = tangent_sq_norm(w, g, a)
-      m_new = mix - w @ geometry.sym(b1 * geometry.gram(w, m_c)
+      m_new = mix - w @ geometry.sym(b1 * arrays.gram(w, m_c)
                                      + (1.0 - b1) * a)
     else:
       g_sq = jnp.sum(jnp.square(g), axis=(-2, -1))
@@ -413,7 +413,7 @@ def clip_frame_norm(max_step_norm: chex.Numeric
     checks.check_update_shapes(updates, params, "clip_frame_norm")
 
     def clip(xi):
-      factor = cap_factor(geometry.frame_norm(xi), max_step_norm)
+      factor = cap_factor(arrays.frame_norm(xi), max_step_norm)
       return xi * factor[..., None, None]
 
     return _per_frame(clip, updates, params), state
