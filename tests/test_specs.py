@@ -1,8 +1,9 @@
-"""Frame selection (stiefel_optax/specs.py): presets, the default (auto),
-regex mappings, callables and FrameSpecs on the Flax block's kernels
-(`helpers.LinenBlock`, the `linen_params` fixture) and on hand-built ones:
-scanned layers, einsum (heads, d, head_dim) kernels, 2-D kernels split into
-heads with grouped query/key, whole-projection frames. Every selection
+"""Frame selection (stiefel_optax/specs.py, families.py, named_axes.py,
+selector.py): presets, the default (auto), regex mappings, callables and
+FrameSpecs on the Flax block's kernels (`helpers.LinenBlock`, the
+`linen_params` fixture) and on hand-built ones: scanned layers, einsum
+(heads, d, head_dim) kernels, 2-D kernels split into heads with grouped
+query/key, whole-projection frames. Every selection
 error names the path, the shape and the fix.
 
 The selection of the model families' real layouts is in tests/families/,
