@@ -51,7 +51,7 @@ autodoc_preserve_defaults = True
 autodoc_type_aliases = {
     "optax.ScalarOrSchedule": "optax.ScalarOrSchedule",
     "chex.Numeric": "chex.Numeric",
-    "specs_lib.Selector": "stiefel_optax.Selector",
+    "selector.Selector": "stiefel_optax.Selector",
 }
 # Literal blocks are math in ASCII, not code: no highlighting.
 highlight_language = "none"

@@ -9,26 +9,28 @@ from stiefel_optax.geometry import (
     isometry_error, polar, random_frames, retract)
 from stiefel_optax.newton_schulz import newton_schulz_steps
 from stiefel_optax.transforms import (
-    MasterFramesState, ScaleByFrameAdamState, check_orthonormal_start,
-    clip_frame_norm, project_to_tangent, retract_polar, scale_by_frame_adam,
-    tangent_sq_norm)
+    ScaleByFrameAdamState, check_orthonormal_start, clip_frame_norm,
+    project_to_tangent, scale_by_frame_adam, tangent_sq_norm)
+from stiefel_optax.retraction import MasterFramesState, retract_polar
 from stiefel_optax.aliases import (
     one_pass_chain, riemannian_sgd, stiefel_adam, upcast_float16)
 from stiefel_optax.muon import (
     ScaleByTangentMsignState, msign, scale_by_tangent_msign, stiefel_muon,
     tangent_msign)
-from stiefel_optax.specs import (
-    FRAME_PRESETS, FrameSpec, Selector, check_axis_mapping, equinox_specs,
-    frame_specs, fused_qkv, haiku_mha, maxtext_fused_qkv, path_str,
-    selected_frames)
+from stiefel_optax.specs import FrameSpec, path_str
+from stiefel_optax.families import (
+    FRAME_PRESETS, equinox_specs, fused_qkv, haiku_mha, maxtext_fused_qkv)
+from stiefel_optax.named_axes import check_axis_mapping
+from stiefel_optax.selector import Selector, frame_specs, selected_frames
 from stiefel_optax.views import (
     from_frames, map_frames, merge_frames, split_frames, to_frames)
 from stiefel_optax.partition import FramePartitionState, frame_partition
-from stiefel_optax.sharding import frame_view_spec, state_shardings
+from stiefel_optax.sharding import state_shardings
+from stiefel_optax.view_sharding import frame_view_spec
 from stiefel_optax.attention import stiefel_attention
+from stiefel_optax.gains import GAIN_PRESETS, GainSpec, gain_specs
 from stiefel_optax.bound import (
-    GAIN_CONSTRAINTS, GAIN_PRESETS, GainSpec, attention_logit_bound,
-    gain_specs, project_gains)
+    GAIN_CONSTRAINTS, attention_logit_bound, project_gains)
 from stiefel_optax.initializers import orthonormal_heads_init, orthonormalize
 from stiefel_optax.diagnostics import (
     check_frames, frame_isometry_errors, frame_movement, max_isometry_error)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stiefel_optax import checks, geometry, transforms
+from stiefel_optax import (
+    arrays, checks, geometry, retraction as retraction_lib, transforms)
 
 DEFAULT_MAX_STEP_NORM = 0.1
 
@@ -33,10 +34,10 @@ def _cap_and_retract(max_step_norm, static_max_step_norm: Optional[float],
   (`retract_polar(max_step_norm=None)`).
   """
   if max_step_norm is None:
-    return [transforms.retract_polar(retraction, max_step_norm=None,
+    return [retraction_lib.retract_polar(retraction, max_step_norm=None,
                                      master_frames=master_frames)]
   return [transforms.clip_frame_norm(max_step_norm),
-          transforms.retract_polar(retraction,
+          retraction_lib.retract_polar(retraction,
                                    max_step_norm=static_max_step_norm,
                                    master_frames=master_frames)]
 
@@ -207,7 +208,7 @@ def one_pass_chain(
     ``state[:n]`` the n lead links' states, ``state[n]`` the learning
     rate's (``ScaleByScheduleState`` for a schedule, else EmptyState), then
     the cap's EmptyState (only with max_step_norm) and the retraction's
-    EmptyState (`transforms.MasterFramesState` where frames are stored
+    EmptyState (`retraction.MasterFramesState` where frames are stored
     below float32, with master_frames). Reordering the links breaks saved
     checkpoints.
 
@@ -252,7 +253,7 @@ def one_pass_chain(
 
   def capped(m, s):
     """(s, ||xi||_F) per frame after the cap."""
-    norm = geometry.frame_norm(m) * jnp.abs(s)
+    norm = arrays.frame_norm(m) * jnp.abs(s)
     if max_step_norm is None:
       return s, norm
     factor = transforms.cap_factor(norm, max_step_norm)
@@ -263,31 +264,31 @@ def one_pass_chain(
     checks.require_params(params, name)
     checks.check_update_shapes(updates, params, name)
     # The frames the step starts from: params, or their float32 masters
-    # (frames stored below float32, `transforms.start_frames`).
-    frames = transforms.start_frames(state[-1], params)
+    # (frames stored below float32, `retraction.start_frames`).
+    frames = retraction_lib.start_frames(state[-1], params)
     m, scale, lead_states = lead(updates, state[:n], frames)
     if scale is None:
       scale = jax.tree.map(
-          lambda w: jnp.ones(w.shape[:-2], geometry.compute_dtype(w.dtype),
-                             out_sharding=geometry.frame_scalar_sharding(w)),
+          lambda w: jnp.ones(w.shape[:-2], arrays.compute_dtype(w.dtype),
+                             out_sharding=arrays.frame_scalar_sharding(w)),
           params)
     s, lr_state = links[n].update(scale, state[n])       # -lr scale
     s, norm = transforms.unzip(jax.tree.structure(updates),
                                jax.tree.map(capped, m, s), 2)
-    if not isinstance(state[-1], transforms.MasterFramesState):
+    if not isinstance(state[-1], retraction_lib.MasterFramesState):
       u = jax.tree.map(
-          lambda m, s, norm, w: transforms.retraction_update(
+          lambda m, s, norm, w: retraction_lib.retraction_update(
               m * s[..., None, None], w, retraction, static_max_step_norm,
               step_norm=norm, out_dtype=w.dtype),
           m, s, norm, params)
       # The cap and the retraction keep no state (EmptyState).
       return u, (*lead_states, lr_state, *state[n + 1:])
     new = jax.tree.map(
-        lambda m, s, norm, w: transforms.retracted(
+        lambda m, s, norm, w: retraction_lib.retracted(
             m * s[..., None, None], w, retraction, static_max_step_norm,
             step_norm=norm),
         m, s, norm, frames)
-    u, master = transforms.land(new, state[-1], params)
+    u, master = retraction_lib.land(new, state[-1], params)
     return u, (*lead_states, lr_state, *state[n + 1:-1], master)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -3,9 +3,9 @@
 The dtype the library computes in, the helpers that keep Explicit mesh
 shardings consistent, the Gram product A^T B and the per-frame Frobenius
 norm. Every function acts on arrays of shape (..., rows, cols), the last two
-axes one matrix. `geometry` re-exports them (``geometry.gram`` and so on),
-and `newton_schulz` builds on them; this module imports neither, so the
-three are acyclic.
+axes one matrix. `newton_schulz` and `geometry` build on them (and the
+library's other modules import them from here); this module imports
+neither, so the three are acyclic.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stiefel_optax import aliases, bound as bound_lib, partition, specs as specs_lib
+from stiefel_optax import (
+    aliases, bound as bound_lib, gains as gains_lib, partition, selector)
 
 
 class _DefaultFloat(float):
@@ -98,7 +99,7 @@ def stiefel_attention(
     eps: float = _DefaultFloat(1e-8),
     max_step_norm: Optional[float] = _DefaultFloat(
         aliases.DEFAULT_MAX_STEP_NORM),
-    frames: specs_lib.Selector = None,
+    frames: selector.Selector = None,
     orthonormal_start: str = "check",
     retraction: str = _Default("newton_schulz"),
     mu_dtype: Optional[Any] = _Default(None),
@@ -136,7 +137,7 @@ def stiefel_attention(
       gradient has been zero would be 0 / 0 = NaN. Pass `euclidean_tx` for
       any other AdamW eps.
     max_step_norm: trust-region radius per frame; None disables it.
-    frames: where the frames are (`specs`): None / "auto" recognises Flax
+    frames: where the frames are (`selector`): None / "auto" recognises Flax
       (linen, nnx), Gemma and MaxText layouts by path and shape, and
       Equinox `eqx.nn.MultiheadAttention` modules (heads read from each),
       and raises where it cannot decide; "flax", "gemma", "maxtext",
@@ -248,7 +249,7 @@ def _gain_projection(gain_constraint, frames) -> optax.GradientTransformation:
   own transform."""
   if isinstance(gain_constraint, str):
     gains = (frames if isinstance(frames, str)
-             and frames in bound_lib.GAIN_PRESETS else "auto")
+             and frames in gains_lib.GAIN_PRESETS else "auto")
     if gain_constraint not in bound_lib.GAIN_CONSTRAINTS:
       raise ValueError(
           f"stiefel_attention: gain_constraint={gain_constraint!r} is not one"

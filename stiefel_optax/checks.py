@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stiefel_optax import geometry
+from stiefel_optax import arrays, geometry
 
 ORTHONORMAL_STARTS = ("check", "project")
 
@@ -250,8 +250,8 @@ def replicated(x):
 @jax.jit
 def _frame_stats(w):
   """(isometry error, smallest and largest eigenvalue of W^T W) per frame."""
-  w = w.astype(geometry.compute_dtype(w.dtype))
-  lam = jnp.linalg.eigvalsh(geometry.gram(w))
+  w = w.astype(arrays.compute_dtype(w.dtype))
+  lam = jnp.linalg.eigvalsh(arrays.gram(w))
   return geometry.isometry_error(w), lam[..., 0], lam[..., -1]
 
 
@@ -321,7 +321,7 @@ def _check_start_traced(name, frames, orthonormal_start, fix, hint) -> None:
   iso, lo, hi = _frame_stats(frames)
   r = frames.shape[-1]
   batch = frames.shape[:-2]
-  eps = float(jnp.finfo(geometry.compute_dtype(frames.dtype)).eps)
+  eps = float(jnp.finfo(arrays.compute_dtype(frames.dtype)).eps)
   tol = start_tolerance(frames.dtype, r)
   iso, lo, hi = iso.ravel(), lo.ravel(), hi.ravel()
   deficient = lo <= r * eps * hi
@@ -368,7 +368,7 @@ def check_start(name: str, frames, orthonormal_start: str = "check",
   # Read whole on every process (`host_value`): one decision everywhere.
   iso, lo, hi = (host_value(v) for v in _frame_stats(frames))
   r = frames.shape[-1]
-  eps = float(jnp.finfo(geometry.compute_dtype(frames.dtype)).eps)
+  eps = float(jnp.finfo(arrays.compute_dtype(frames.dtype)).eps)
   deficient = lo <= r * eps * hi
   k = (tuple(int(i) for i in np.argwhere(deficient)[0])
        if deficient.any() else None)

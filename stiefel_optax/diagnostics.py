@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from stiefel_optax import checks, geometry, specs as specs_lib, views
+from stiefel_optax import arrays, checks, geometry, selector, views
 
 
 def _per_frame(fn, params, frames) -> dict:
@@ -23,7 +23,7 @@ def _per_frame(fn, params, frames) -> dict:
   return {path: checks.replicated(v) for path, v in out.items()}
 
 
-def frame_isometry_errors(params, frames: specs_lib.Selector = None) -> dict:
+def frame_isometry_errors(params, frames: selector.Selector = None) -> dict:
   """{path: per-frame ||W^T W - I||_F} for every selected leaf.
 
   Works on any kernel, orthonormal or not (e.g. an AdamW arm's raw kernels).
@@ -49,7 +49,7 @@ def frame_isometry_errors(params, frames: specs_lib.Selector = None) -> dict:
   return _per_frame(geometry.isometry_error, params, frames)
 
 
-def max_isometry_error(params, frames: specs_lib.Selector = None) -> jax.Array:
+def max_isometry_error(params, frames: selector.Selector = None) -> jax.Array:
   """The largest isometry error ||W^T W - I||_F over all selected frames.
 
   Args:
@@ -71,7 +71,7 @@ def max_isometry_error(params, frames: specs_lib.Selector = None) -> jax.Array:
   return jnp.max(jnp.stack([jnp.max(e) for e in errs.values()]))
 
 
-def check_frames(params, frames: specs_lib.Selector = None,
+def check_frames(params, frames: selector.Selector = None,
                  atol: Optional[float] = None) -> None:
   """Checks that every selected frame is on the manifold.
 
@@ -107,7 +107,7 @@ def check_frames(params, frames: specs_lib.Selector = None,
     ...
     ValueError: check_frames: 1 kernel(s) off the Stiefel manifold ...
   """
-  selected = [(p, x, s) for p, x, s in specs_lib.frame_specs(params, frames)
+  selected = [(p, x, s) for p, x, s in selector.frame_specs(params, frames)
               if s is not None]
   # Each leaf's worst error, read whole on every process (`host_value`): the
   # same decision everywhere.
@@ -145,7 +145,7 @@ def check_frames(params, frames: specs_lib.Selector = None,
 
 
 def frame_movement(old_params, new_params,
-                   frames: specs_lib.Selector = None) -> dict:
+                   frames: selector.Selector = None) -> dict:
   """{path: per-frame ||W_new - W_old||_F} for every selected leaf.
 
   Args:
@@ -177,8 +177,8 @@ def frame_movement(old_params, new_params,
       return b
     if not jnp.issubdtype(b.dtype, jnp.floating):
       return b - a
-    cdtype = geometry.compute_dtype(jnp.promote_types(a.dtype, b.dtype))
+    cdtype = arrays.compute_dtype(jnp.promote_types(a.dtype, b.dtype))
     return b.astype(cdtype) - a.astype(cdtype)
 
   diff = jax.tree.map(diff_leaf, old_params, new_params)
-  return _per_frame(geometry.frame_norm, diff, frames)
+  return _per_frame(arrays.frame_norm, diff, frames)

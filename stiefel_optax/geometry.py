@@ -11,7 +11,10 @@ iteration of `newton_schulz` (a fixed step count from the step norm, a
 run-time certificate, a fallback correct for any full-rank A; see
 `retract`, and docs/proofs.rst for the derivations). The array primitives
 (compute dtype, sharding helpers, `gram`, `frame_norm`) live in `arrays`;
-both are re-exported here.
+import them, and the Newton–Schulz step counts, from there. `gram` and
+`frame_norm`, which the geometry uses, stay reachable here as
+``geometry.gram`` and ``geometry.frame_norm``, the names the documentation
+uses.
 """
 
 from __future__ import annotations
@@ -21,20 +24,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-# Re-exported: geometry.gram, geometry.frame_norm, ... as before the split
-# (and the two Gram forms that benchmarks/speed/gram.py times).
-from stiefel_optax.arrays import (  # pylint: disable=unused-import
-    _check_matrices, _gram_contraction, _gram_cpu, compute_dtype,
-    explicit_spec, frame_norm, frame_scalar_sharding, gram, gram_sharding,
+from stiefel_optax.arrays import (
+    _check_matrices, compute_dtype, frame_norm, frame_scalar_sharding, gram,
     like, reshard_to)
-# Re-exported: the public step counts and bounds (stiefel_optax exports
-# newton_schulz_steps); the private ones are what polar and retract use.
-from stiefel_optax.newton_schulz import (  # pylint: disable=unused-import
+from stiefel_optax.newton_schulz import (
     _certified_polar, _fast_path_steps, _newton_schulz_counted,
-    _newton_schulz_fixed, _polar_newton_schulz, inv_sqrt_newton_schulz,
-    newton_schulz_accept_tol, newton_schulz_fallback_steps,
-    newton_schulz_max_steps, newton_schulz_residual, newton_schulz_steps,
-    newton_schulz_tol, step_spectrum)
+    _newton_schulz_fixed, _polar_newton_schulz, newton_schulz_accept_tol,
+    newton_schulz_max_steps, newton_schulz_tol, step_spectrum)
 
 RETRACTIONS = ("newton_schulz", "eigh")
 

@@ -74,7 +74,7 @@ def strip_named(tree):
 
   A leaf's NamedArray names the kernel's axes; its frame view (batch...,
   d, r) and the per-frame state made from it have other axes and ranks, so
-  the Stiefel group sees plain arrays, and `sharding.named_state` names its
+  the Stiefel group sees plain arrays, and `wrapped_state.named_state` names its
   state by the view's axes. The tree itself where it holds no NamedArray.
   """
   if not has_named(tree):
@@ -112,7 +112,7 @@ def split_groups(tree, items):
   Args:
     tree: a tree of the parameters' structure.
     items: ``[(path, leaf, FrameSpec | None)]`` for its leaves in
-      flattening order, as `specs.frame_specs(params, frames)` gives.
+      flattening order, as `selector.frame_specs(params, frames)` gives.
 
   Returns:
     (frames, rest), two trees of the structure of `tree`.

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from stiefel_optax import geometry, specs as specs_lib, views
+from stiefel_optax import geometry, selector, views
 
 
-def orthonormalize(params, frames: specs_lib.Selector = None, *,
+def orthonormalize(params, frames: selector.Selector = None, *,
                    method: str = "eigh"):
   """Replaces the selected frames by their polar factors.
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stiefel_optax import aliases, checks, geometry, transforms
+from stiefel_optax import aliases, arrays, checks, geometry, transforms
 
 # Polar Express, degree 5 (arXiv 2505.16932, Algorithm 1): (a, b, c) of
 # p(x) = a x + b x^3 + c x^5, before the 1.01 safety factor.
@@ -75,7 +75,7 @@ def _normalize(x: jax.Array) -> jax.Array:
 def _msign_eigh(x: jax.Array) -> jax.Array:
   """X (X^T X)^(+1/2) by an r x r eigh; eigenvalues at or below
   r eps lambda_max count as zero (rank-deficient X gives U_k V_k^T)."""
-  lam, v = jnp.linalg.eigh(geometry.gram(x))
+  lam, v = jnp.linalg.eigh(arrays.gram(x))
   r = x.shape[-1]
   floor = r * jnp.finfo(x.dtype).eps * jnp.max(lam, axis=-1, keepdims=True)
   keep = lam > floor
@@ -96,7 +96,7 @@ def _msign_loop(y: jax.Array, num_steps, eye: jax.Array) -> jax.Array:
 
   def step(k, y):
     a, b, c = table[jnp.minimum(k, last)]
-    s = geometry.gram(y)
+    s = arrays.gram(y)
     return y @ (a * eye + s @ (b * eye + c * s))
 
   return jax.lax.fori_loop(0, num_steps, step, y)
@@ -154,7 +154,7 @@ def msign(x: jax.Array, num_steps: int = DEFAULT_MSIGN_STEPS, *,
     raise ValueError(f"method must be one of {MSIGN_METHODS}; got {method!r}.")
   traced = isinstance(num_steps, jax.core.Tracer)
   coefficients = None if traced else msign_coefficients(num_steps)
-  cdtype = geometry.compute_dtype(x.dtype)
+  cdtype = arrays.compute_dtype(x.dtype)
   y = _normalize(x.astype(cdtype))
   if method == "eigh":
     return _msign_eigh(y).astype(x.dtype)
@@ -162,7 +162,7 @@ def msign(x: jax.Array, num_steps: int = DEFAULT_MSIGN_STEPS, *,
   if traced:
     return _msign_loop(y, num_steps, eye).astype(x.dtype)
   for a, b, c in coefficients:
-    s = geometry.gram(y)
+    s = arrays.gram(y)
     y = y @ (a * eye + s @ (b * eye + c * s))
   return y.astype(x.dtype)
 
@@ -288,7 +288,7 @@ def scale_by_tangent_msign(b1: float = 0.95, nesterov: bool = True, *,
     checks.check_update_shapes(updates, params, "scale_by_tangent_msign")
 
     def leaf(g_in, m, w):
-      cdtype = geometry.compute_dtype(w.dtype)
+      cdtype = arrays.compute_dtype(w.dtype)
       g, m_c, w = g_in.astype(cdtype), m.astype(cdtype), w.astype(cdtype)
       finite = jnp.isfinite(jnp.sum(jnp.square(g), axis=(-2, -1)))
       m_new = geometry.project_tangent(w, b1 * m_c + (1.0 - b1) * g)

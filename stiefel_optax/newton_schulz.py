@@ -10,8 +10,7 @@ fails (the derivations are in the documentation's Proofs page,
 docs/proofs.rst). `geometry.polar` and `geometry.retract` are the entry
 points; this module holds the machinery behind them: the spectral bounds
 and step counts (Python floats, static), the iteration and its certificate
-(jnp), and the certified polar with its fallback. Its public functions are
-importable from `geometry` too, as they were before it was split off.
+(jnp), and the certified polar with its fallback.
 """
 
 from __future__ import annotations

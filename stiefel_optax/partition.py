@@ -1,7 +1,7 @@
 """One partition of a parameter tree into Stiefel frames and the rest.
 
 `frame_partition(stiefel_tx, euclidean_tx, frames)` is `optax.partition` with
-sub-leaf resolution: the frame selector (`specs`) gives each leaf a
+sub-leaf resolution: the frame selector (`selector`) gives each leaf a
 `FrameSpec` or None; `stiefel_tx` sees the frame views (batch..., d, r) of
 the selected leaves, `euclidean_tx` sees every other leaf unchanged and, of a
 fused leaf, the parts that are not frames. Both see the parameter tree's
@@ -35,7 +35,7 @@ from typing import Optional
 import jax
 import optax
 
-from stiefel_optax import checks, sharding, specs as specs_lib, views
+from stiefel_optax import checks, selector, sharding, views, wrapped_state
 # The groups and the state layout live in `groups` (sharding reads them
 # too); their names stay importable from here.
 from stiefel_optax.groups import (  # noqa: F401
@@ -139,7 +139,7 @@ def check_state(stiefel_tx, state, f_params, stack_frames) -> None:
 
 def frame_partition(stiefel_tx: optax.GradientTransformation,
                     euclidean_tx: Optional[optax.GradientTransformation],
-                    frames: specs_lib.Selector = None, *,
+                    frames: selector.Selector = None, *,
                     orthonormal_start: str = "check",
                     stack_frames=False
                     ) -> optax.GradientTransformation:
@@ -161,7 +161,7 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
     euclidean_tx: the transform of every other leaf and of the parts of
       fused leaves that are not frames (e.g. `optax.adamw`); None: those
       get zero updates.
-    frames: the frame selector (`specs`): a preset name, a FrameSpec, a
+    frames: the frame selector (`selector`): a preset name, a FrameSpec, a
       mapping {path_regex: FrameSpec | None} or a callable.
     orthonormal_start: "check" (default): `init` on concrete params raises
       a ValueError naming any selected leaf whose frames are not
@@ -210,13 +210,13 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
 
   def init_fn(params):
     checks.require_params(params, "frame_partition")
-    if sharding.has_variables(params):
+    if wrapped_state.has_variables(params):
       # Flax NNX (nnx.Optimizer): the state is made from the values, and
       # its leaves come back in Variables whose shardings fit them.
-      return sharding.variable_state(
-          init_fn(sharding.unwrap_variables(params)), params, frames)
+      return wrapped_state.variable_state(
+          init_fn(wrapped_state.unwrap_variables(params)), params, frames)
     warn_if_boxed(params)   # its boxes would mislabel the state
-    items = specs_lib.frame_specs(params, frames)
+    items = selector.frame_specs(params, frames)
     # The one start check of init, naming each kernel (`checks.check_start`;
     # traced frames, an init under jit, are checked when the init runs).
     for path, x, spec in items:
@@ -235,23 +235,23 @@ def frame_partition(stiefel_tx: optax.GradientTransformation,
     if limit is None and has_named(params):
       # Haliax (Levanter shards the state by axis names): the state's frame
       # views are NamedArrays of the view's axes, not the kernel's.
-      s_state = sharding.named_state(s_state, params, items)
+      s_state = wrapped_state.named_state(s_state, params, items)
     return FramePartitionState(s_state, rest_tx.init(r_params))
 
   def update_fn(updates, state, params=None, **extra_args):
     checks.require_params(params, "frame_partition")
-    if any(sharding.has_variables(t) for t in (updates, state, params)):
+    if any(wrapped_state.has_variables(t) for t in (updates, state, params)):
       # Flax NNX's functional pattern (nnx.split, then tx.update on the
       # nnx.State of Variables, the state from init's Variables): the step
       # is computed on the values, and the updates and the state come back
       # in the Variables they came in (their structure unchanged, as a
       # jit output or a scan carry needs). nnx.Optimizer passes values.
-      values = sharding.unwrap_variables
+      values = wrapped_state.unwrap_variables
       u, s = update_fn(values(updates), values(state), values(params),
                        **extra_args)
-      return (sharding.rewrap_like(updates, u),
-              sharding.rewrap_like(state, s))
-    items = specs_lib.frame_specs(params, frames)
+      return (wrapped_state.rewrap_like(updates, u),
+              wrapped_state.rewrap_like(state, s))
+    items = selector.frame_specs(params, frames)
     checks.check_same_structure(updates, params, "frame_partition")
     f_updates, r_updates = split_groups(updates, items)
     f_params, r_params = split_groups(params, items)

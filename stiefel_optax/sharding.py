@@ -42,17 +42,17 @@ Flax NNX needs no call: `nnx.Optimizer(model, tx, wrt=nnx.Param)` hands
 Variables it gets back onto the optimizer state (sharding them at once
 under flax 0.12's eager sharding). `frame_partition`'s init therefore
 returns, for Variables, a state whose leaves are Variables carrying the
-`out_sharding` mapped here (`variable_state`), so `nnx.get_partition_spec`
-of the optimizer is right, eager or not.
+`out_sharding` mapped here (`wrapped_state.variable_state`), so
+`nnx.get_partition_spec` of the optimizer is right, eager or not.
 
 Haliax (Levanter) needs no call either: Levanter's Trainer shards the
 optimizer state by axis names (`infer_resource_partitions` of the state under
 `named_jit`), so `frame_partition`'s init names the Stiefel group's state by
-the frame view's axes (`named_state`): the first moment of Levanter's q_proj
-weight (layer, kv_head, q_heads_per_group, head_size, embed) is a NamedArray
-(layer, kv_head, q_heads_per_group, embed, head_size), its second moment
-(layer, kv_head, q_heads_per_group), not the weight's five names around a
-rank-3 array.
+the frame view's axes (`wrapped_state.named_state`): the first moment of
+Levanter's q_proj weight (layer, kv_head, q_heads_per_group, head_size,
+embed) is a NamedArray (layer, kv_head, q_heads_per_group, embed,
+head_size), its second moment (layer, kv_head, q_heads_per_group), not the
+weight's five names around a rank-3 array.
 
 The alternative, keeping the state in the kernel's layout, was not taken:
 the step computes in the frame view, so a kernel-layout moment would be
@@ -68,164 +68,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-import warnings
 from typing import Any, Optional
 
 import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stiefel_optax import groups, specs as specs_lib
-from stiefel_optax.specs import FrameSpec
-
-_SHARDING_TYPES = (NamedSharding, PartitionSpec)
-
-
-def _is_sharding(x) -> bool:
-  return isinstance(x, _SHARDING_TYPES)
-
-
-def _axis_names(entry) -> tuple:
-  """The names of one PartitionSpec entry: () for None."""
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _shard_count(entry, mesh_shape) -> Optional[int]:
-  """Devices an entry splits its axis over; None where the mesh is not known
-  (logical names)."""
-  if mesh_shape is None:
-    return None
-  return math.prod(mesh_shape[n] for n in _axis_names(entry))
-
-
-def _padded(spec: PartitionSpec, ndim: int) -> tuple:
-  entries = tuple(spec)
-  return entries + (None,) * (ndim - len(entries))
-
-
-def view_entries(spec: FrameSpec, shape, entries, mesh_shape=None,
-                 name: str = "leaf"):
-  """(frame view entries, rest entries or None, notes) for a leaf of
-  `shape` whose axes are sharded by `entries` (one PartitionSpec entry per
-  axis).
-
-  The view (`views.split_frames`) is (take?, batch..., [heads,] d, r): the taken
-  parts (never sharded), the batch axes (each its kernel axis's entry), the
-  heads (the column axes' entry where the shard count divides the heads, or
-  always where `mesh_shape` is None), d (the row axes') and r (the column
-  axes', or None with heads). `rest`, the parts that are not frames, keeps
-  the leaf's axes and entries, its part axis unsharded. `notes` says what
-  was dropped, one string each.
-  """
-  shape = tuple(shape)
-  batch, rows, cols, part = spec.axes(len(shape), name)
-  sub = spec.part_shape(shape, name)
-  spec.frame_shape(shape, name)           # heads that do not divide: refused
-  e = list(entries)
-  notes = []
-  rest = None
-  if part is not None:
-    if e[part] is not None:
-      notes.append(
-          f"axis {part} is sharded by {e[part]!r} but cut into {spec.parts}"
-          f" parts by {spec}: the frames and the other parts are replicated"
-          " along it (the split gathers the leaf along that axis; shard"
-          " another axis, e.g. the rows)")
-      e[part] = None
-    if len(spec.take) < spec.parts:
-      rest = tuple(e)
-
-  def merged(axes, what):
-    sharded = [a for a in axes if e[a] is not None]
-    if not sharded:
-      return None
-    first = axes.index(sharded[0])
-    if len(sharded) == 1 and all(sub[a] == 1 for a in axes[:first]):
-      return e[sharded[0]]
-    notes.append(
-        f"the frames' {what} merge axes {axes} (sharded by"
-        f" {[e[a] for a in axes]}), which is not one block per device: the"
-        f" frames are replicated along their {what}")
-    return None
-
-  lead = (None,) if part is not None else ()
-  b = tuple(e[a] for a in batch)
-  d, r = merged(rows, "rows"), merged(cols, "columns")
-  if spec.heads is None:
-    return lead + b + (d, r), rest, notes
-  k = None if r is None else _shard_count(r, mesh_shape)
-  if k is not None and spec.heads % k:
-    notes.append(
-        f"the columns are sharded by {r!r} over {k} devices, which does not"
-        f" divide heads = {spec.heads} (no whole heads per device): the frames"
-        " are replicated along their heads")
-    r = None
-  return lead + b + (r, d, None), rest, notes
-
-
-def _rebuild(sharding, entries):
-  """A sharding of the kind of `sharding` with `entries`."""
-  if isinstance(sharding, NamedSharding):
-    return NamedSharding(sharding.mesh, PartitionSpec(*entries),
-                         memory_kind=sharding.memory_kind)
-  return PartitionSpec(*entries)
-
-
-def _warn(notes):
-  if notes:
-    warnings.warn("stiefel_optax.state_shardings: " + "; ".join(notes) + ".",
-                  UserWarning, stacklevel=3)
-
-
-def frame_view_spec(spec: FrameSpec, shape, sharding, *, name: str = "leaf"):
-  """The sharding of a leaf's frame view, and of its other parts.
-
-  Maps the sharding of a leaf of `shape` (a `NamedSharding`, or a
-  `PartitionSpec` of mesh or logical axis names) to that of its frame view
-  (batch..., d, r) under `spec`, as `views.split_frames` lays it out, and to that of
-  the parts that are not frames (None where every part is a frame). Each
-  view axis takes the sharding of the kernel axis it comes from; a split
-  axis keeps it only where it stays one block per device (module
-  docstring), otherwise the view is replicated along it and a UserWarning
-  names the leaf.
-
-  Args:
-    spec: the leaf's FrameSpec.
-    shape: the leaf's shape.
-    sharding: the leaf's NamedSharding or PartitionSpec.
-    name: the leaf's path, for messages.
-
-  Returns:
-    (frames' sharding, rest's sharding or None), of the kind of `sharding`.
-
-  Raises:
-    ValueError: naming `name`, when `spec` does not fit `shape`.
-
-  Example:
-    >>> from jax.sharding import PartitionSpec as P
-    >>> import stiefel_optax as so
-    >>> so.frame_view_spec(so.FrameSpec(rows=0, cols=2), (32, 4, 8),
-    ...                    P("embed", "heads", "kv"))     # linen (d, heads, hd)
-    (P('heads', 'embed', 'kv'), None)
-    >>> so.frame_view_spec(so.fused_qkv(4), (64, 192), P("embed", None))
-    (P(None, None, 'embed', None), P('embed', None))
-  """
-  shape = tuple(shape)
-  pspec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
-  mesh_shape = (dict(sharding.mesh.shape) if isinstance(sharding, NamedSharding)
-                else None)
-  view, rest, notes = view_entries(spec, shape, _padded(pspec, len(shape)),
-                                   mesh_shape, name)
-  _warn([f"{name}: {n}" for n in notes])
-  return (_rebuild(sharding, view),
-          None if rest is None else _rebuild(sharding, rest))
-
-
-# --------------------------------------------------------------------------
-# Flax's boxes (nn.with_logical_partitioning, nn.Partitioned).
+from stiefel_optax import groups, selector, specs as specs_lib
+from stiefel_optax.view_sharding import (
+    _axis_names, _is_sharding, _padded, _rebuild, _warn, view_entries)
 
 
 # --------------------------------------------------------------------------
@@ -279,7 +130,7 @@ class _Mapper:
       return self._groups
     try:
       items = (self.items if self.items is not None else
-               specs_lib.frame_specs(self.params, self.frames))
+               selector.frame_specs(self.params, self.frames))
     except ValueError as err:
       raise ValueError(
           f"state_shardings: {err} (state_shardings selects the frames as"
@@ -488,7 +339,7 @@ def _check_shardings(params, param_shardings) -> list:
 
 def state_shardings(tx: optax.GradientTransformation, params,
                     param_shardings=None, *,
-                    frames: specs_lib.Selector = None):
+                    frames: selector.Selector = None):
   """The optimizer state's shardings, from the parameters'.
 
   Maps a tree of parameter shardings to one for `tx.init(params)`, as
@@ -594,154 +445,8 @@ def state_shardings(tx: optax.GradientTransformation, params,
 
 
 # --------------------------------------------------------------------------
-# Flax NNX: a state whose Variables carry their own shardings.
-
-
-def _variable_type():
-  """flax.nnx's Variable class, or None where flax.nnx is not imported (a
-  tree then holds no Variable: never import it)."""
-  module = sys.modules.get("flax.nnx.variablelib")
-  return None if module is None else module.Variable
-
-
-def has_variables(tree) -> bool:
-  """Whether `tree` holds Flax NNX Variables (`nnx.state(model, nnx.Param)`
-  does; `nnx.as_pure` of it does not)."""
-  var = _variable_type()
-  if var is None:
-    return False
-  is_var = lambda x: isinstance(x, var)
-  return any(is_var(x) for x in jax.tree.leaves(tree, is_leaf=is_var))
-
-
-def unwrap_variables(tree):
-  """`tree` with each Flax NNX Variable replaced by its value (other leaves,
-  e.g. an optimizer state's counts, as they are)."""
-  var = _variable_type()
-  if var is None:
-    return tree
-  is_var = lambda x: isinstance(x, var)
-  return jax.tree.map(lambda v: v.get_value() if is_var(v) else v, tree,
-                      is_leaf=is_var)
-
-
-def rewrap_like(like, values):
-  """`values` (a tree of `unwrap_variables(like)`'s structure) in the
-  Variables of `like`: each Variable of `like`, with its type and
-  metadata, holds the new value of its place.
-
-  The inverse of `unwrap_variables` for a tree computed from its values,
-  so that a state or an update handed in as Variables (Flax NNX's
-  functional pattern: `nnx.split`, then `tx.update` on the `nnx.State`)
-  comes back with the structure it came in (a `jax.jit` output or a
-  `lax.scan` carry must keep its tree).
-  """
-  treedef = jax.tree.structure(like)
-  leaves = jax.tree.leaves(values)
-  if jax.tree.structure(unwrap_variables(like)) != jax.tree.structure(values):
-    raise ValueError(
-        "stiefel_optax: internal error: a tree computed from the values of"
-        " Flax NNX Variables lost their structure:"
-        f" {jax.tree.structure(unwrap_variables(like))} vs"
-        f" {jax.tree.structure(values)}.")
-  # A Variable is a pytree node of one leaf, its value: the leaves of
-  # `like` and of its values come in the same order.
-  return treedef.unflatten(leaves)
-
-
-# The Variable metadata that shards a state: flax's `out_sharding` (set by
-# nnx.with_partitioning), and `optimizer_sharding`, which nnx.Optimizer
-# puts in its place on the state when a parameter has it.
-_OUT, _OPT = "out_sharding", "optimizer_sharding"
-
-
-def _can_shard(meta) -> bool:
-  """Whether a Variable made with this metadata can be sharded at once (its
-  constructor does it under eager sharding, and needs a mesh: its own
-  NamedSharding, a `mesh` entry, or the context's)."""
-  if not meta.get("eager_sharding") or not meta.get(_OUT):
-    return True
-  if meta.get("mesh") is not None or isinstance(meta[_OUT], NamedSharding):
-    return True
-  return not jax.sharding.get_abstract_mesh().empty
-
-
-def variable_state(state, params, frames: specs_lib.Selector = None):
-  """The state `state` (made from the values of `params`) with each leaf
-  that mirrors a parameter in a Variable of that parameter's type and
-  metadata, its sharding mapped to the leaf's layout.
-
-  Flax NNX's `nnx.Optimizer(model, tx, wrt=nnx.Param)` calls
-  `tx.init(nnx.state(model, nnx.Param))` and copies the metadata of every
-  Variable in the state it gets onto the optimizer state's Variables; with
-  eager sharding (flax 0.12's default) it shards each at once by its
-  `out_sharding`, and `nnx.get_partition_spec` reads it. A parameter's
-  own `out_sharding` names the kernel's axes, which do not fit its frame
-  view; here each state leaf gets the `out_sharding` that
-  `state_shardings` maps for it (mu (heads, d, r) of a (d, heads, r)
-  kernel ('embed', 'heads', 'kv') is ('heads', 'embed', 'kv'), nu (heads,)
-  is ('heads',)), from the parameter's `optimizer_sharding` where it has one
-  (then removed, so that nnx.Optimizer keeps the mapped one), else its
-  `out_sharding`. A parameter without either gives Variables without
-  `out_sharding`. Leaves that mirror no parameter (counts) stay arrays,
-  as optax's do.
-
-  Args:
-    state: the optimizer state made from `unwrap_variables(params)`.
-    params: the parameters, a tree of Flax NNX Variables.
-    frames: the optimizer's frame selector.
-
-  Returns:
-    `state` with Variables in place of the leaves that mirror parameters.
-
-  Raises:
-    ValueError: as `state_shardings`.
-  """
-  var = _variable_type()
-  is_var = lambda x: isinstance(x, var)
-  values = unwrap_variables(params)
-  variables = {specs_lib.path_str(p): v for p, v in
-               jax.tree_util.tree_leaves_with_path(params, is_leaf=is_var)}
-  sources, unsharded = {}, set()
-  for path, v in variables.items():
-    meta = v.get_metadata() if is_var(v) else {}
-    spec = meta.get(_OPT) or meta.get(_OUT)
-    if not spec:
-      unsharded.add(path)
-      spec = PartitionSpec()
-    elif not _is_sharding(spec):
-      spec = PartitionSpec(*spec)
-    sources[path] = spec
-  shardings = _check_shardings(
-      values, jax.tree_util.tree_map_with_path(
-          lambda p, _: sources[specs_lib.path_str(p)], values))
-
-  def make(x, target, entries):
-    path, sharding = target[0], target[3]
-    v = variables[path]
-    if not is_var(v):
-      return x
-    meta = {k: m for k, m in v.get_metadata().items() if k not in (_OUT, _OPT)}
-    if path not in unsharded:
-      out = _rebuild(sharding, entries)
-      meta[_OUT] = out if isinstance(out, NamedSharding) else tuple(out)
-    if _can_shard(meta):
-      return type(v)(x, **meta)      # sharded at once (eager sharding)
-    # No mesh to shard by (tx.init outside `jax.set_mesh` on the nnx.State of
-    # a model built inside one): the Variable as a pytree rebuilds it, as
-    # plain optax's tree_map over the params' Variables does; nnx.Optimizer
-    # and jit's shardings shard it later.
-    return type(v).from_metadata(x, meta)
-
-  mapper = _Mapper(values, shardings, frames, None, make=make,
-                   other=lambda x: x)
-  out = mapper.walk(state, "", [mapper.param_target()], None)
-  _warn(mapper.notes)
-  return out
-
-
-# --------------------------------------------------------------------------
-# Haliax (Levanter): a Stiefel state named by the frame view's axes.
+# Haliax (Levanter): the walk puts a named Stiefel state back in its
+# NamedArrays.
 
 
 def rewrap_named(like, values):
@@ -759,45 +464,3 @@ def rewrap_named(like, values):
   # `like` and of `values` come in the same order.
   return jax.tree.structure(like).unflatten(
       jax.tree.leaves(values, is_leaf=_is_sharding))
-
-
-def named_state(state, params, items):
-  """The Stiefel group's state `state` (made from the plain frame views of
-  the Haliax tree `params`), each leaf that mirrors a frame view in a
-  `haliax.NamedArray` of the view's axes.
-
-  Levanter shards the optimizer state by axis names (Haliax's
-  `infer_resource_partitions`), so a state leaf kept in the kernel's
-  NamedArray would get the kernel's rank and axes. A frame view (batch...,
-  d, r) takes its names from the kernel axes it comes from (`view_entries`
-  on the names, as on logical axis names): Levanter's q_proj weight
-  (layer, kv_head, q_heads_per_group, head_size, embed) gives the first
-  moment (layer, kv_head, q_heads_per_group, embed, head_size) and the
-  per-frame second moment (layer, kv_head, q_heads_per_group), sharded as
-  the weight's axes of those names are. A view axis that no one kernel axis
-  names (merged rows or columns, heads split from a column axis, a fused
-  leaf's parts) leaves its leaf a plain array (replicated by Levanter), as
-  are counts and stacks (`stack_frames`).
-
-  Args:
-    state: the Stiefel transform's state over `groups.split_groups(params,
-      items)[0]` (stack_frames=False).
-    params: the parameters, a tree holding Haliax NamedArrays.
-    items: `specs.frame_specs(params, frames)`.
-
-  Returns:
-    `state` with NamedArrays in place of the leaves that mirror frame views.
-  """
-  named = groups._named_array_type()  # pylint: disable=protected-access
-  names = specs_lib.axis_names(params)
-  shardings = [PartitionSpec(*(names.get(path) or ()))
-               for path, _, _ in items]
-
-  def make(x, target, entries):
-    if entries and all(isinstance(e, str) for e in entries):
-      return named(x, tuple(entries))
-    return x
-
-  mapper = _Mapper(params, shardings, None, None, make=make,
-                   other=lambda x: x, items=items)
-  return mapper.walk(state, "", mapper.groups()[0][:1], None)

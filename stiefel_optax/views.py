@@ -19,7 +19,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from stiefel_optax import specs as specs_lib
+from stiefel_optax import selector
 from stiefel_optax.specs import FrameSpec
 
 
@@ -222,7 +222,7 @@ def from_frames(frames: jax.Array, spec: FrameSpec, shape, rest=None):
 
 
 def map_frames(fn: Callable[[jax.Array], jax.Array], params,
-               frames: specs_lib.Selector = None, *, back: bool = True):
+               frames: selector.Selector = None, *, back: bool = True):
   """Applies fn to the frame view (batch..., d, r) of every selected leaf.
 
   Args:
@@ -248,7 +248,7 @@ def map_frames(fn: Callable[[jax.Array], jax.Array], params,
     >>> map_frames(lambda w: w.shape, tree, back=False)
     {'query/kernel': (2, 8, 4)}
   """
-  items = specs_lib.frame_specs(params, frames)
+  items = selector.frame_specs(params, frames)
   if not back:
     return {path: fn(to_frames(x, spec, path))
             for path, x, spec in items if spec is not None}

@@ -45,7 +45,7 @@ import optax
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from stiefel_optax import geometry, newton_schulz
+from stiefel_optax import arrays, geometry, newton_schulz
 import stiefel_optax as so
 
 from tests.helpers import (
@@ -117,7 +117,7 @@ def test_sym(normal):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_gram_forms_agree_and_differentiate(x64, normal, dtype):
-  """Both forms of A^T B (`geometry.gram` takes the materialised one on
+  """Both forms of A^T B (`arrays.gram` takes the materialised one on
   CPU, the contraction elsewhere) match NumPy to rounding, jitted, vmapped
   and differentiated (the optimization barrier has autodiff rules)."""
   dtype = jnp.dtype(dtype)
@@ -126,7 +126,7 @@ def test_gram_forms_agree_and_differentiate(x64, normal, dtype):
   want = np.einsum("bdr,bds->brs", np.asarray(a, np.float64),
                    np.asarray(b, np.float64))
   tol = 1e-5 if dtype == jnp.float32 else 1e-12
-  for fn in (geometry.gram, geometry._gram_cpu, geometry._gram_contraction):  # pylint: disable=protected-access
+  for fn in (arrays.gram, arrays._gram_cpu, arrays._gram_contraction):  # pylint: disable=protected-access
     np.testing.assert_allclose(jax.jit(fn)(a, b), want, rtol=tol, atol=tol)
     np.testing.assert_allclose(jax.vmap(fn)(a, b), want, rtol=tol, atol=tol)
     # d/dA sum(A^T B) = B summed over its columns, in every row.
@@ -149,7 +149,7 @@ def test_project_tangent_float64(x64, certificate, frames, normal):
   assert p.shape == g.shape and p.dtype == jnp.float64
   skew = jnp.einsum("bdi,bdj->bij", w, p)
   errs = [
-      float(jnp.max(geometry.frame_norm(skew + jnp.swapaxes(skew, -1, -2)))
+      float(jnp.max(arrays.frame_norm(skew + jnp.swapaxes(skew, -1, -2)))
             / jnp.linalg.norm(g)),
       rel(so.geometry.project_tangent(w, p), p),
       abs(float(jnp.vdot(so.geometry.project_tangent(w, g), y)
@@ -233,7 +233,7 @@ def test_retract_methods_agree(x64, certificate, frames, normal):
   w = frames(12, (3, 8, 4))
   xi0 = so.geometry.project_tangent(w, normal(13, w.shape))
   for delta in (0.1, 0.5, 1.0, 2.0):
-    xi = xi0 * (delta / geometry.frame_norm(xi0))[:, None, None]
+    xi = xi0 * (delta / arrays.frame_norm(xi0))[:, None, None]
     exact = so.retract(w, xi, "eigh")
     ns = so.retract(w, xi, "newton_schulz", max_step_norm=delta)
     assert rel(so.retract(w, xi, "newton_schulz", max_step_norm=None),
@@ -254,9 +254,9 @@ def test_newton_schulz_step_counts():
   steps = [so.newton_schulz_steps(d) for d in radii]
   assert steps == sorted(steps)
   for d, k in zip(radii, steps):
-    assert geometry.newton_schulz_residual(d * d, k) <= 1e-8
+    assert newton_schulz.newton_schulz_residual(d * d, k) <= 1e-8
     if k > 1:
-      assert geometry.newton_schulz_residual(d * d, k - 1) > 1e-8
+      assert newton_schulz.newton_schulz_residual(d * d, k - 1) > 1e-8
 
 
 def predicted_isometry(delta, r, steps):
@@ -280,7 +280,7 @@ def test_newton_schulz_count_is_tight_float64(x64, certificate, frames):
   r = w.shape[-1]
   retract = jax.jit(so.retract, static_argnames=("method", "num_steps"))
   # tol = 1e-8 (the float32 count) and the float64 target of `retract`.
-  for tol in (1e-8, geometry.newton_schulz_tol(jnp.float64)):
+  for tol in (1e-8, newton_schulz.newton_schulz_tol(jnp.float64)):
     for delta in (0.1, 0.5, 1.0):
       xi = worst_tangent_step(w, delta)
       assert abs(float(jnp.linalg.norm(xi)) - delta) <= 1e-14
@@ -297,7 +297,7 @@ def test_newton_schulz_count_is_tight_float64(x64, certificate, frames):
           certificate(
               "geometry: NS K-1 residual, measured vs analysis (f64)", err)
           assert err <= 1e-5
-          assert geometry.newton_schulz_residual(delta ** 2, steps) > tol
+          assert newton_schulz.newton_schulz_residual(delta ** 2, steps) > tol
           assert measured > tol
 
 
@@ -352,11 +352,11 @@ def fast_path_certificate(w, xi, delta):
   retraction falls back iff the certificate exceeds the accepted tol)."""
   cdtype = w.dtype
   r = w.shape[-1]
-  tol, accept = (geometry.newton_schulz_tol(cdtype),
-                 geometry.newton_schulz_accept_tol(cdtype, r))
+  tol, accept = (newton_schulz.newton_schulz_tol(cdtype),
+                 newton_schulz.newton_schulz_accept_tol(cdtype, r))
   steps = newton_schulz._fast_path_steps(delta, tol, accept, r, True)
   c = 1.0 + jnp.sum(jnp.square(xi)) / 2.0
-  _, cert = newton_schulz._newton_schulz_fixed(geometry.gram(w + xi) / c, steps)
+  _, cert = newton_schulz._newton_schulz_fixed(arrays.gram(w + xi) / c, steps)
   return steps, float(cert) / accept
 
 
@@ -403,7 +403,7 @@ def test_fast_path_certificate_passes_on_its_domain(dtype, certificate,
     w = frames(40, (16, 4), dt)
     generic = so.geometry.project_tangent(w, normal(41, w.shape, dt))
     for delta in (0.01, 0.1, 0.5, 1.0, 2.0, 4.0):
-      tol = geometry.newton_schulz_tol(dt)
+      tol = newton_schulz.newton_schulz_tol(dt)
       for xi in (worst_tangent_step(w, delta),
                  delta * generic / jnp.linalg.norm(generic)):
         steps, ratio = fast_path_certificate(w, xi, delta)
@@ -420,16 +420,16 @@ def test_fallback_step_counts():
   f32, f64 = jnp.float32, jnp.float64
   table = {f32: [7, 13, 18, 24, 30, 41], f64: [8, 14, 19, 25, 31, 42]}
   for dt, want in table.items():
-    tol = geometry.newton_schulz_accept_tol(dt, 64)
-    got = [geometry.newton_schulz_fallback_steps(k, 64, tol)
+    tol = newton_schulz.newton_schulz_accept_tol(dt, 64)
+    got = [newton_schulz.newton_schulz_fallback_steps(k, 64, tol)
            for k in (1.0, 1e2, 1e4, 1e6, 1e8, 1e12)]
     assert got == want
-  assert geometry.newton_schulz_max_steps(f32, 64) == 26
-  assert geometry.newton_schulz_max_steps(f64, 64) == 52
-  assert geometry.newton_schulz_accept_tol(f32, 64) == pytest.approx(7.63e-6,
+  assert newton_schulz.newton_schulz_max_steps(f32, 64) == 26
+  assert newton_schulz.newton_schulz_max_steps(f64, 64) == 52
+  assert newton_schulz.newton_schulz_accept_tol(f32, 64) == pytest.approx(7.63e-6,
                                                                      rel=1e-3)
   with pytest.raises(ValueError, match="condition_number"):
-    geometry.newton_schulz_fallback_steps(0.5, 4, 1e-8)
+    newton_schulz.newton_schulz_fallback_steps(0.5, 4, 1e-8)
 
 
 def spread_frames(seed, batch, d, r, kappa):
@@ -450,8 +450,8 @@ def test_fallback_certified_float64(x64, certificate):
   kappa(M) = kappa^2, and the result is polar(W + xi) up to its conditioning
   (the error of a Gram-based factor grows like eps kappa^2)."""
   d, r = 8, 4
-  tol = geometry.newton_schulz_accept_tol(jnp.float64, r)
-  max_steps = geometry.newton_schulz_max_steps(jnp.float64, r)
+  tol = newton_schulz.newton_schulz_accept_tol(jnp.float64, r)
+  max_steps = newton_schulz.newton_schulz_max_steps(jnp.float64, r)
   for kappa in (1.0, 1e2, 1e4, 1e6):
     a = jnp.asarray(spread_frames(int(kappa), 3, d, r, kappa))
     xi = 0.3 * so.geometry.project_tangent(jnp.asarray(np_polar_batch(a)), a)
@@ -462,9 +462,9 @@ def test_fallback_certified_float64(x64, certificate):
       certificate("geometry: fallback isometry, kappa <= 1e6 (f64)", iso)
       assert iso <= 1e-12, (kappa, iso)
       assert rel(out, np_polar_batch(a)) <= 1e-14 * kappa ** 2 + F64_NS
-    _, steps, _ = geometry.inv_sqrt_newton_schulz(
-        geometry.gram(a), math.sqrt(tol), max_steps=max_steps)
-    assert int(steps) <= geometry.newton_schulz_fallback_steps(
+    _, steps, _ = newton_schulz.inv_sqrt_newton_schulz(
+        arrays.gram(a), math.sqrt(tol), max_steps=max_steps)
+    assert int(steps) <= newton_schulz.newton_schulz_fallback_steps(
         kappa ** 2, r, math.sqrt(tol))
 
 
@@ -474,7 +474,7 @@ def test_retract_defaults_are_sized_for_the_step(frames, normal):
   the exact polar retraction. At HEAD the defaults gave isometry 3.5e-4."""
   w = frames(42, (3, 8, 4))
   xi = so.geometry.project_tangent(w, normal(43, w.shape))
-  xi = 3.0 * xi / geometry.frame_norm(xi)[:, None, None]
+  xi = 3.0 * xi / arrays.frame_norm(xi)[:, None, None]
   exact = so.retract(w, xi, "eigh")
   for kwargs in ({}, {"max_step_norm": 1.0}, {"max_step_norm": 0.1}):
     out = so.retract(w, xi, **kwargs)
@@ -542,7 +542,7 @@ def test_retract_takes_the_callers_step_norm():
   xi = 0.1 * so.geometry.project_tangent(w, normal(44, w.shape))
   own = geometry.retract(w, xi, max_step_norm=0.5)
   given = geometry.retract(w, xi, max_step_norm=0.5,
-                           step_norm=geometry.frame_norm(xi))
+                           step_norm=arrays.frame_norm(xi))
   assert rel(given, own) < 1e-6
   off = geometry.retract(w, 10.0 * xi, max_step_norm=0.5,
                          step_norm=jnp.zeros(3))       # far too small
@@ -567,7 +567,7 @@ def test_retract_float64_scale_is_consistent(x64):
   w = so.random_frames(jax.random.key(0), (2, 8, 4), jnp.float64)
   g = geometry.project_tangent(
       w, jax.random.normal(jax.random.key(1), w.shape, jnp.float64))
-  unit = g / geometry.frame_norm(g)[..., None, None]
+  unit = g / arrays.frame_norm(g)[..., None, None]
   schedule = optax.linear_schedule(0.3, 0.02, 20)       # float32 under x64
 
   @jax.jit
@@ -615,10 +615,10 @@ def test_mismatched_shapes_name_both(frames, normal):
        [r"\(8, 3\)", r"\(8, 2\)"]),
       (lambda: so.retract(w, normal(53, (8, 2)), "eigh"), "retract",
        [r"\(8, 3\)", r"\(8, 2\)"]),
-      (lambda: geometry.gram(w, normal(54, (7, 3))), "gram",
+      (lambda: arrays.gram(w, normal(54, (7, 3))), "gram",
        [r"\(8, 3\)", r"\(7, 3\)"]),
       (lambda: so.geometry.sym(w), "sym", [r"\(8, 3\)"]),
-      (lambda: geometry.frame_norm(jnp.ones(5)), "frame_norm", [r"\(5,\)"]),
+      (lambda: arrays.frame_norm(jnp.ones(5)), "frame_norm", [r"\(5,\)"]),
   ]
   for fn, name, shapes in cases:
     with pytest.raises(ValueError) as info:
@@ -628,7 +628,7 @@ def test_mismatched_shapes_name_both(frames, normal):
     for shape in shapes:
       assert re.search(shape, msg), (shape, msg)
   # gram of frames with different column counts is A^T B, (3, 2).
-  assert geometry.gram(w, normal(55, (8, 2))).shape == (3, 2)
+  assert arrays.gram(w, normal(55, (8, 2))).shape == (3, 2)
 
 
 def test_bad_method_raises(frames):
@@ -711,9 +711,9 @@ def isometry_tol(method, dtype, d, r, eps, kappa_m=1.0):
   (0.34 kappa(M)), so the term below has a ~3x margin. kappa_m = 1 for
   steps within the trust region (||xi||_F <= 1, kappa(M) <= 2) keeps the
   documented level."""
-  cdtype = geometry.compute_dtype(dtype)
+  cdtype = arrays.compute_dtype(dtype)
   ceps = float(jnp.finfo(cdtype).eps)
-  tol = geometry.newton_schulz_accept_tol(cdtype, r) if (
+  tol = newton_schulz.newton_schulz_accept_tol(cdtype, r) if (
       method == "newton_schulz") else 8 * math.sqrt(r * d) * ceps
   return tol + math.sqrt(r) * (ceps * kappa_m + 4 * eps)
 
@@ -731,7 +731,7 @@ def test_retraction_is_the_polar_factor(case, fraction, longest, method):
   step = fraction * longest
   with ctx:
     w, (g,) = data(batch, d, r, dtype, seed)
-    cdtype = geometry.compute_dtype(dtype)
+    cdtype = arrays.compute_dtype(dtype)
     xi = project(w.astype(cdtype), g.astype(cdtype))
     xi = xi * (step / np.maximum(fro(xi), 1e-30))[..., None, None].astype(
         cdtype)
@@ -910,11 +910,11 @@ def test_any_full_rank_start_lands_on_the_manifold_float64(case, certificate):
     assert iso(p) <= 1e-12
     assert rel(p, np_polar(a)) <= 1e-14 * kappa ** 2 + 1e-13
     r = shape[-1]
-    tol = math.sqrt(geometry.newton_schulz_accept_tol(jnp.float64, r))
-    _, steps, _ = geometry.inv_sqrt_newton_schulz(
-        geometry.gram(a), tol,
-        max_steps=geometry.newton_schulz_max_steps(jnp.float64, r))
-    assert int(steps) <= geometry.newton_schulz_fallback_steps(
+    tol = math.sqrt(newton_schulz.newton_schulz_accept_tol(jnp.float64, r))
+    _, steps, _ = newton_schulz.inv_sqrt_newton_schulz(
+        arrays.gram(a), tol,
+        max_steps=newton_schulz.newton_schulz_max_steps(jnp.float64, r))
+    assert int(steps) <= newton_schulz.newton_schulz_fallback_steps(
         kappa ** 2, r, tol)
 
 
@@ -1046,7 +1046,7 @@ def test_mismatched_shapes_raise_naming_both(shapes):
   names_both(info, "retract", frame, other)
   if frame[:-1] != other[:-1]:
     with pytest.raises(ValueError) as info:
-      geometry.gram(w, g)
+      arrays.gram(w, g)
     names_both(info, "gram", frame, other)
   for name, tx in (("project_to_tangent", so.project_to_tangent()),
                    ("retract_polar", so.retract_polar())):
@@ -1062,23 +1062,31 @@ def test_mismatched_shapes_raise_naming_both(shapes):
     assert "['attn']['query']" in str(info.value)
 
 
-def test_newton_schulz_module_split_keeps_names_and_is_acyclic():
-  """The Newton–Schulz machinery lives in stiefel_optax.newton_schulz; its
-  public functions (and the array primitives of stiefel_optax.arrays) stay
-  importable from geometry as the same objects, and neither lower module
-  imports geometry (no import cycle)."""
+def test_newton_schulz_and_arrays_sit_below_geometry():
+  """The Newton–Schulz machinery lives in stiefel_optax.newton_schulz, the
+  array primitives in stiefel_optax.arrays, and the library calls them
+  there: every `geometry.X` in the library's code names a function geometry
+  defines itself. `geometry.gram` and `geometry.frame_norm` (which geometry
+  uses, and which the documentation names) are arrays' objects. Neither
+  lower module imports geometry (no import cycle)."""
   import ast  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
-  from stiefel_optax import arrays  # pylint: disable=g-import-not-at-top
-  for name in ("step_spectrum", "newton_schulz_residual", "newton_schulz_tol",
-               "newton_schulz_steps", "newton_schulz_accept_tol",
-               "newton_schulz_fallback_steps", "newton_schulz_max_steps",
-               "inv_sqrt_newton_schulz"):
-    assert getattr(geometry, name) is getattr(newton_schulz, name), name
-  for name in ("compute_dtype", "gram", "frame_norm", "explicit_spec",
-               "gram_sharding", "frame_scalar_sharding", "reshard_to", "like"):
-    assert getattr(geometry, name) is getattr(arrays, name), name
+  assert geometry.gram is arrays.gram
+  assert geometry.frame_norm is arrays.frame_norm
   assert so.newton_schulz_steps is newton_schulz.newton_schulz_steps
+  package = pathlib.Path(geometry.__file__).parent
+  own = {n.name for n in ast.parse(pathlib.Path(geometry.__file__)
+                                    .read_text()).body
+         if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+  own |= {t.id for n in ast.parse(pathlib.Path(geometry.__file__).read_text())
+          .body if isinstance(n, ast.Assign) for t in n.targets
+          if isinstance(t, ast.Name)}
+  through = sorted(
+      f"{path.name}: geometry.{n.attr}" for path in package.rglob("*.py")
+      for n in ast.walk(ast.parse(path.read_text()))
+      if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+      and n.value.id == "geometry" and n.attr not in own)
+  assert not through, through
   for module in (arrays, newton_schulz):
     tree = ast.parse(pathlib.Path(module.__file__).read_text())
     imported = {n.module for n in ast.walk(tree)

@@ -33,7 +33,7 @@ import pytest
 from flax import nnx
 
 import stiefel_optax as so
-from stiefel_optax import aliases, checks, transforms
+from stiefel_optax import aliases, checks, retraction
 
 D, HEADS, HEAD_DIM = 16, 2, 8
 LOW = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -119,7 +119,7 @@ def test_bf16_gradients_keep_float32_frames_on_the_manifold():
   new = optax.apply_updates(params, updates)
   moved = so.frame_movement(params, new)
   assert all(float(jnp.min(m)) > 0.05 for m in moved.values())  # a real step
-  tol = so.geometry.newton_schulz_accept_tol(jnp.float32, HEAD_DIM)
+  tol = so.newton_schulz.newton_schulz_accept_tol(jnp.float32, HEAD_DIM)
   assert float(so.max_isometry_error(new)) <= tol
 
 
@@ -322,7 +322,7 @@ def test_master_frames_off_warns_and_float32_frames_are_unchanged():
       state = so.stiefel_adam(1e-3, master_frames=master).init(w32)
       assert isinstance(state[-1], optax.EmptyState)
     state = so.stiefel_adam(1e-3).init(w32.astype(jnp.bfloat16))
-  assert isinstance(state[-1], transforms.MasterFramesState)
+  assert isinstance(state[-1], retraction.MasterFramesState)
   assert state[-1].master.dtype == jnp.float32
 
 
@@ -338,12 +338,12 @@ def test_master_lands_exactly_and_yields_to_changed_params():
   master = state[-1].master
   # Exact where round(master) - w is a bf16 number (Sterbenz: nearly all).
   assert float(jnp.mean(new == master.astype(jnp.bfloat16))) > 0.99
-  start = transforms.start_frames(state[-1], new)
+  start = retraction.start_frames(state[-1], new)
   same = new == master.astype(jnp.bfloat16)
   np.testing.assert_array_equal(jnp.where(same, start, 0),
                                 jnp.where(same, master, 0))
   other = so.random_frames(jax.random.key(11), w.shape).astype(jnp.bfloat16)
-  np.testing.assert_array_equal(transforms.start_frames(state[-1], other),
+  np.testing.assert_array_equal(retraction.start_frames(state[-1], other),
                                 other.astype(jnp.float32))
 
 

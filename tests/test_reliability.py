@@ -523,7 +523,7 @@ def test_zero_gradient_with_eps_zero(which):
   new, state, _ = step(p, state, g)
   assert all_finite(new) and all_finite(state)
   if which == "stiefel_adam":
-    moved = so.geometry.frame_norm(new["w"] - p["w"])
+    moved = so.arrays.frame_norm(new["w"] - p["w"])
   else:
     moved = jnp.concatenate(list(so.frame_movement(p, new).values()))
   assert float(jnp.min(moved)) > 1e-3

@@ -41,7 +41,7 @@ assert jax.device_count() == 8, jax.devices()
 rng = np.random.default_rng(0)
 mesh = Mesh(np.array(jax.devices()), ("x",))
 REP = NamedSharding(mesh, P())
-QK = so.specs.QK_KERNEL
+QK = so.families.QK_KERNEL
 # LLVM's optimisation of the CPU code is most of the compile time and none of
 # what is tested: the SPMD partitioner and the HLO passes that place the
 # collectives run as always.

@@ -371,7 +371,7 @@ def test_split_axes_keep_the_sharding_only_where_it_divides():
     view, _ = so.frame_view_spec(so.FrameSpec(rows=-2, cols=-1, heads=4),
                                  (32, 32), NamedSharding(MESH, P(None, "x")))
   assert view.spec == P(None, None, None)
-  gemma_kv = so.specs.GEMMA_KV          # (2, K, D, H), the key half
+  gemma_kv = so.families.GEMMA_KV          # (2, K, D, H), the key half
   assert so.frame_view_spec(gemma_kv, (2, 2, 32, 8),
                             P(None, "kv_heads", "embed", None)) == (
       P(None, None, "kv_heads", "embed", None),

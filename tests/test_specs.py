@@ -1,8 +1,9 @@
-"""Frame selection (stiefel_optax/specs.py): presets, the default (auto),
-regex mappings, callables and FrameSpecs on the Flax block's kernels
-(`helpers.LinenBlock`, the `linen_params` fixture) and on hand-built ones:
-scanned layers, einsum (heads, d, head_dim) kernels, 2-D kernels split into
-heads with grouped query/key, whole-projection frames. Every selection
+"""Frame selection (stiefel_optax/specs.py, families.py, named_axes.py,
+selector.py): presets, the default (auto), regex mappings, callables and
+FrameSpecs on the Flax block's kernels (`helpers.LinenBlock`, the
+`linen_params` fixture) and on hand-built ones: scanned layers, einsum
+(heads, d, head_dim) kernels, 2-D kernels split into heads with grouped
+query/key, whole-projection frames. Every selection
 error names the path, the shape and the fix.
 
 The selection of the model families' real layouts is in tests/families/,
@@ -256,7 +257,8 @@ def test_path_str_drops_a_keyless_nodes_only_child_index():
   tree = {"q_proj": {"weight": w}, "layers": [jnp.zeros(2)]}
   paths = [so.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
   assert paths == ["layers/0", "q_proj/weight"]
-  assert so.specs.axis_names(tree) == {"q_proj/weight": ("embed", "head_size")}
+  assert so.named_axes.axis_names(tree) == {
+      "q_proj/weight": ("embed", "head_size")}
   assert so.selected_frames(tree, {"q_proj": so.FrameSpec(
       rows="embed", cols="head_size")}) == {
           "q_proj/weight": so.FrameSpec(rows=0, cols=1)}
@@ -265,11 +267,11 @@ def test_path_str_drops_a_keyless_nodes_only_child_index():
 def test_penzai_views_and_positional_axes_give_their_names():
   from penzai import pz
   a = pz.nx.wrap(jnp.zeros((3, 8, 2, 4))).tag_prefix("embedding")
-  assert so.specs.axis_names({"w": a}) == {
+  assert so.named_axes.axis_names({"w": a}) == {
       "w/data_array": ("embedding", None, None, None)}
   b = pz.nx.wrap(jnp.zeros((8, 2, 4))).tag("embedding", "heads", "projection")
   view = b.untag("heads").tag("heads")          # a NamedArrayView
-  names = so.specs.axis_names({"w": view})
+  names = so.named_axes.axis_names({"w": view})
   assert names == {"w/data_array": ("embedding", "heads", "projection")}
 
 
@@ -286,7 +288,7 @@ def test_query_key_lookalikes_and_what_is_not_one():
   """What the default refuses to leave on AdamW: floating kernels (rank >= 2)
   under a query/key projection's name, in any case; never a bias, a norm
   scale, a PRNG key or a vector."""
-  look = so.specs.looks_like_qk
+  look = so.selector.looks_like_qk
   w = jnp.zeros((8, 8))
   for path in ("enc/query/kernel", "model/layers/0/self_attn/q_proj/kernel",
                "blk/attention/Wqkv/weight", "h/0/attn/c_attn/kernel",

@@ -196,13 +196,13 @@ def _frame_paths(setup) -> set:
 
 def _values(tree):
   """{path: array} of a tree (Flax NNX Variables by their values)."""
-  return leaves_by_path(so.sharding.unwrap_variables(tree))
+  return leaves_by_path(so.wrapped_state.unwrap_variables(tree))
 
 
 def assert_trained(setup, params, twin_params, start=None):
   """The two promises: frames on the manifold (and moved), every other
   leaf bitwise equal to the AdamW twin's."""
-  iso = float(so.max_isometry_error(so.sharding.unwrap_variables(params),
+  iso = float(so.max_isometry_error(so.wrapped_state.unwrap_variables(params),
                                     setup.frames))
   assert iso <= ISO_TOL, (setup.name, iso)
   ours, twin = _values(params), _values(twin_params)
@@ -361,7 +361,8 @@ def _sharded_init():
   `state_shardings` (on a one-device mesh; tests/test_flax_sharded_recipes.py
   runs 8 devices)."""
   runs = _runs()
-  values = {n: so.sharding.unwrap_variables(p) for n, p in runs.params.items()}
+  values = {n: so.wrapped_state.unwrap_variables(p)
+            for n, p in runs.params.items()}
   mesh = jax.make_mesh((1,), ("model",))
   shardings = {n: so.state_shardings(
       runs.txs[n], v, jax.tree.map(lambda _: NamedSharding(mesh, P()), v),
@@ -381,8 +382,8 @@ def test_jit_init_with_out_shardings(runs, name):
   state = states[name]
   assert [x.sharding for x in jax.tree.leaves(state)] == jax.tree.leaves(
       shardings[name])
-  _same(state, so.sharding.unwrap_variables(runs.state0[name]))
-  back = so.sharding.rewrap_like(runs.state0[name], jax.device_get(state))
+  _same(state, so.wrapped_state.unwrap_variables(runs.state0[name]))
+  back = so.wrapped_state.rewrap_like(runs.state0[name], jax.device_get(state))
   carries = runs.run_from(runs.state0 | {name: back})
   _same(carries[name], runs.trajectory[-1][name])
 
@@ -421,7 +422,7 @@ def test_orbax_restore_into_the_abstract_state(runs, tmp_path):
   start-up is paid once), restored into the abstract tree
   (`jax.eval_shape`, as a restore with a target does: the state's exact
   structure), then continued: the same bits as the uninterrupted run."""
-  values = so.sharding.unwrap_variables
+  values = so.wrapped_state.unwrap_variables
   saved = {n: [values(x) for x in runs.trajectory[1][n]] for n in FRAMEWORKS}
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(tmp_path / "ckpt", saved)
@@ -433,7 +434,7 @@ def test_orbax_restore_into_the_abstract_state(runs, tmp_path):
   # would compile the step again.)
   restored = jax.device_get(ckpt.restore(tmp_path / "ckpt", target))
   # Back into the frameworks' trees (NNX: the Variables) and on.
-  carries = {n: tuple(so.sharding.rewrap_like(like, new) for like, new in
+  carries = {n: tuple(so.wrapped_state.rewrap_like(like, new) for like, new in
                       zip(runs.trajectory[1][n], restored[n]))
              for n in FRAMEWORKS}
   carries["train_state"] = runs.trajectory[1]["train_state"]
@@ -457,7 +458,7 @@ def test_nnx_optimizer(jit):
   # The matrix's nnx model without its sharding metadata (its values
   # copied into an abstract twin: no eager initializers to run).
   model = nnx.eval_shape(lambda: _Nnx(nnx.Rngs(1)))
-  nnx.update(model, so.sharding.unwrap_variables(_runs().params["nnx"]))
+  nnx.update(model, so.wrapped_state.unwrap_variables(_runs().params["nnx"]))
   start = jax.tree.map(lambda v: v, nnx.state(model, nnx.Param))  # a copy
   setup = Setup("nnx", start, None, None)
   twin = nnx.clone(model)

@@ -147,7 +147,7 @@ def test_named_specs_view_what_haliax_and_penzai_read_by_name():
   p = pz.nx.wrap(arange((8, 2, 3, 4))).tag(
       "embedding", "head_groups", "query_heads", "projection")
   spec = so.FrameSpec(rows="embedding", cols="projection").resolve(
-      so.specs.axis_names({"w": p})["w/data_array"])
+      so.named_axes.axis_names({"w": p})["w/data_array"])
   np.testing.assert_array_equal(
       so.to_frames(p.data_array, spec),
       p.unwrap("head_groups", "query_heads", "embedding", "projection"))

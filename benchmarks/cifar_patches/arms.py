@@ -58,7 +58,7 @@ def qk_no_cap(lr, *, eps=1e-8, **_):
 # frame per head (the library's default), or one (d, heads * head_dim) frame
 # per projection (the `whole_frame` ablation).
 PER_HEAD = "flax"
-WHOLE_FRAME = {so.specs.QK_KERNEL: so.FrameSpec(rows=-3, cols=(-2, -1))}
+WHOLE_FRAME = {so.families.QK_KERNEL: so.FrameSpec(rows=-3, cols=(-2, -1))}
 
 # Every arm trains the Q/K frames on its recipe and the rest on AdamW; all
 # but adamw, muon and qk_norm start from orthonormal frames.

@@ -1,6 +1,6 @@
 """Table 8: the Gram product A^T B in its two forms, one batched call each.
 
-`geometry.gram` picks its form by platform: one contraction over d
+`arrays.gram` picks its form by platform: one contraction over d
 (`_gram_contraction`, GPU and TPU) or, on CPU, A^T materialised and a plain
 batched matmul (`_gram_cpu`). This table times both on the frames of the
 peer workloads and of GPT-2 small, alternated, so that the CPU choice is
@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.speed import timing
-from stiefel_optax import geometry
+from stiefel_optax import arrays
 
 # (frames, d, r): workload B stacked (8 leaves of 4 frames) and one of its
 # leaves; one GPT-2 small Q/K kernel (12 heads of 768 x 64).
 GRAM_SHAPES = ((32, 64, 16), (4, 64, 16), (12, 768, 64))
 GRAM_QUICK = ((4, 16, 4),)
-FORMS = {"contraction (einsum over d)": geometry._gram_contraction,  # pylint: disable=protected-access
-         "A^T materialised, batched matmul": geometry._gram_cpu}  # pylint: disable=protected-access
+FORMS = {"contraction (einsum over d)": arrays._gram_contraction,  # pylint: disable=protected-access
+         "A^T materialised, batched matmul": arrays._gram_cpu}  # pylint: disable=protected-access
 
 
 # The calls take 0.01-1 ms, where one call's dispatch and a stray
@@ -35,7 +35,7 @@ CALLS_PER_ITER = 10
 def gram_table(shapes, iters: int) -> Dict[str, Any]:
   """Median ms of W^T G per form for each (frames, d, r) in `shapes`
   (CALLS_PER_ITER * iters alternated calls each), and contraction / CPU
-  form; `geometry.gram` uses the second on CPU."""
+  form; `arrays.gram` uses the second on CPU."""
   rng = np.random.default_rng(0)
   calls = CALLS_PER_ITER * iters
   first, second = FORMS

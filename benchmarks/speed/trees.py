@@ -20,7 +20,7 @@ import numpy as np
 import stiefel_optax as so
 from benchmarks.speed import peer_geoopt
 
-QK = re.compile(so.specs.QK_KERNEL)
+QK = re.compile(so.families.QK_KERNEL)
 
 
 @dataclasses.dataclass(frozen=True)

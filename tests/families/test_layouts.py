@@ -269,20 +269,20 @@ NANOGPT_FRAMES = {r"c_attn/kernel$": so.fused_qkv(N)}
 
 FAMILIES = {
     "gemma_gqa": (lambda: gemma_params(K), "gemma", {
-        **_expect(GEMMA_QK[1::2], so.specs.GEMMA_Q),
-        **_expect(GEMMA_QK[0::2], so.specs.GEMMA_KV)}),
+        **_expect(GEMMA_QK[1::2], so.families.GEMMA_Q),
+        **_expect(GEMMA_QK[0::2], so.families.GEMMA_KV)}),
     # MQA and fused: one layer each (compilation is most of the run time).
     "gemma_mqa": (lambda: gemma_params(1, layers=1), "gemma", {
-        GEMMA_QK[1]: so.specs.GEMMA_Q, GEMMA_QK[0]: so.specs.GEMMA_KV}),
+        GEMMA_QK[1]: so.families.GEMMA_Q, GEMMA_QK[0]: so.families.GEMMA_KV}),
     "gemma_fused": (lambda: gemma_params(N, layers=1), "gemma",
-                    _expect(GEMMA_QKV, so.specs.GEMMA_QKV)),
+                    _expect(GEMMA_QKV, so.families.GEMMA_QKV)),
     "maxtext_scanned": (maxtext_params, "maxtext",
-                        _expect(MAXTEXT_QK, so.specs.MAXTEXT)),
+                        _expect(MAXTEXT_QK, so.families.MAXTEXT)),
     "nanogpt": (nanogpt_params, NANOGPT_FRAMES,
                 _expect(NANOGPT_QK, so.fused_qkv(N))),
     "linen_scan": (linen_scan_params, "flax",
-                   _expect(LINEN_QK, so.specs.FLAX)),
-    "nnx_gqa": (nnx_params, None, _expect(NNX_QK, so.specs.FLAX)),
+                   _expect(LINEN_QK, so.families.FLAX)),
+    "nnx_gqa": (nnx_params, None, _expect(NNX_QK, so.families.FLAX)),
 }
 # Where the default (auto) must agree with the preset.
 AUTO_AGREES = ("gemma_gqa", "gemma_mqa", "gemma_fused", "maxtext_scanned",
@@ -543,7 +543,7 @@ def test_mapping_entry_matching_no_leaf_names_entry_and_nearby_paths():
                          ).init(params)
   # Also when another entry does match (the silent drop of issue 10).
   with pytest.raises(ValueError, match=r"'kv_einsum/w/0\$'.*nearby paths"):
-    so.selected_frames(params, {r"q_einsum/w$": so.specs.GEMMA_Q,
+    so.selected_frames(params, {r"q_einsum/w$": so.families.GEMMA_Q,
                          r"kv_einsum/w/0$": so.FrameSpec()})
 
 
@@ -651,13 +651,13 @@ def test_inject_hyperparams_with_preset_mapping_and_callable():
   identical updates compile once)."""
   params = _trained("gemma_mqa")[1]
   grads = _random_like(params, seed=11)
-  mapping = {r"q_einsum/w$": so.specs.GEMMA_Q,
-             r"kv_einsum/w$": so.specs.GEMMA_KV}
+  mapping = {r"q_einsum/w$": so.families.GEMMA_Q,
+             r"kv_einsum/w$": so.families.GEMMA_KV}
 
   def select(path, leaf):          # the mapping as a callable selector
     del leaf
-    return (so.specs.GEMMA_Q if path.endswith("/q_einsum/w") else
-            so.specs.GEMMA_KV if path.endswith("/kv_einsum/w") else None)
+    return (so.families.GEMMA_Q if path.endswith("/q_einsum/w") else
+            so.families.GEMMA_KV if path.endswith("/kv_einsum/w") else None)
 
   assert "gemma" in so.FRAME_PRESETS
   inject = optax.inject_hyperparams(so.stiefel_attention)
