@@ -34,6 +34,37 @@ from stiefel_optax.newton_schulz import (
 
 RETRACTIONS = ("newton_schulz", "eigh")
 
+# The public names 0.7.0 re-exported here that geometry no longer imports
+# itself, by their home now: reached through `geometry` they still work, with a DeprecationWarning that says
+# where to import them from (module __getattr__, PEP 562).
+_MOVED = {
+    **{n: "arrays" for n in ("explicit_spec", "gram_sharding")},
+    **{n: "newton_schulz" for n in (
+        "inv_sqrt_newton_schulz", "newton_schulz_fallback_steps",
+        "newton_schulz_residual", "newton_schulz_steps")}}
+
+
+def __getattr__(name: str):
+  """A moved name, with a DeprecationWarning naming its home.
+
+  >>> import warnings
+  >>> with warnings.catch_warnings(record=True) as w:
+  ...   warnings.simplefilter("always")
+  ...   from stiefel_optax.geometry import newton_schulz_steps
+  >>> "stiefel_optax.newton_schulz.newton_schulz_steps" in str(w[0].message)
+  True
+  """
+  home = _MOVED.get(name)
+  if home is None:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  import importlib  # pylint: disable=g-import-not-at-top
+  import warnings  # pylint: disable=g-import-not-at-top
+  warnings.warn(
+      f"stiefel_optax.geometry.{name} moved: import it as"
+      f" stiefel_optax.{home}.{name} (the re-export goes in a later"
+      " release)", DeprecationWarning, stacklevel=2)
+  return getattr(importlib.import_module(f"stiefel_optax.{home}"), name)
+
 
 # --------------------------------------------------------------------------
 # Shape checks.
