@@ -9,6 +9,7 @@ import inspect
 import os
 import re
 import sys
+import types
 
 sys.path.insert(0, os.path.abspath(".."))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -63,6 +64,49 @@ exclude_patterns = ["_build"]
 # The preset lists the pages quote, generated from the tuples themselves so
 # that a new preset cannot be left out of the docs.
 _names = lambda names: ", ".join(f"``{n!r}``" for n in names)
+
+
+def _library_modules() -> list:
+  """The library's modules that `import stiefel_optax` loads, by name."""
+  return sorted((name, module) for name, module in list(sys.modules.items())
+                if module is not None and name.startswith("stiefel_optax."))
+
+
+def _find_constant(name: str):
+  """(module name, value) of a module constant of the library, or None."""
+  for module_name, module in _library_modules():
+    if name in vars(module):
+      return module_name, vars(module)[name]
+  return None
+
+
+# `Selector` reads as the one documented name in every signature, however a
+# module spells it (`Selector` in its home module, `specs_lib.Selector`
+# where imported as a module), also after the modules are regrouped.
+for _module_name, _module in _library_modules():
+  if vars(_module).get("Selector") is stiefel_optax.Selector:
+    autodoc_type_aliases["Selector"] = "stiefel_optax.Selector"
+  for _alias, _value in vars(_module).items():
+    if (isinstance(_value, types.ModuleType)
+        and getattr(_value, "Selector", None) is stiefel_optax.Selector):
+      autodoc_type_aliases[f"{_alias}.Selector"] = "stiefel_optax.Selector"
+
+# The module constants that the API page's descriptions name (an upper-case
+# name in a docstring that is a number, string or tuple of a library module
+# and not itself public), and the defaults' constants: listed with their
+# values on the page (api.rst, "Constants": the line |constants| there
+# becomes this list), so that each is defined there.
+_UPPER = re.compile(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b")
+_docs = [module.__doc__ or "" for _, module in _library_modules()]
+_docs += [getattr(stiefel_optax, n).__doc__ or "" for n in stiefel_optax.__all__]
+_named = set(_UPPER.findall("\n".join(_docs)))
+_named |= {n for _, module in _library_modules() for n in vars(module)
+           if n.startswith("DEFAULT_")}
+_constants = []
+for _name in sorted(_named - set(stiefel_optax.__all__)):
+  _found = _find_constant(_name)
+  if _found and isinstance(_found[1], (int, float, str, tuple)):
+    _constants.append(f"* ``{_found[0]}.{_name} = {_found[1]!r}``")
 rst_epilog = f"""
 .. |frame_presets| replace:: {_names(stiefel_optax.FRAME_PRESETS)}
 .. |gain_presets| replace:: {_names(stiefel_optax.GAIN_PRESETS)}
@@ -110,11 +154,11 @@ _CONSTANT = re.compile(r"\b(DEFAULT_[A-Z_]+)\b")
 
 
 def _constant_value(match):
-  for module in (stiefel_optax.aliases, stiefel_optax.muon):
-    if hasattr(module, match.group(1)):
-      return repr(getattr(module, match.group(1)))
-  raise ValueError(f"docs/conf.py: no value for {match.group(1)} in a"
-                   " signature: add its module to _constant_value.")
+  found = _find_constant(match.group(1))
+  if found is None:
+    raise ValueError(f"docs/conf.py: no library module defines"
+                     f" {match.group(1)}, which a signature names.")
+  return repr(found[1])
 
 
 def _plain_signature(app, what, name, obj, options, signature,
@@ -134,5 +178,27 @@ def _plain_signature(app, what, name, obj, options, signature,
   return signature, return_annotation
 
 
+def _no_builtin_docstring(app, what, name, obj, options, lines):
+  """A constant without a docstring of its own (`FRAME_PRESETS`, a tuple)
+  would show its type's (`tuple.__doc__`: "Built-in immutable sequence...");
+  api.rst describes it instead."""
+  del app, name, options
+  builtin = inspect.getdoc(type(obj))
+  if what == "data" and builtin and lines and (
+      lines[0].strip() == builtin.splitlines()[0].strip()):
+    lines.clear()
+
+
+def _constants_list(app, docname, source):
+  del app
+  if docname == "api":
+    source[0] = source[0].replace("\n|constants|\n",
+                                  "\n" + "\n".join(_constants) + "\n")
+
+
 def setup(app):
   app.connect("autodoc-process-signature", _plain_signature)
+  app.connect("source-read", _constants_list)
+  # Before napoleon (priority 500) reads the lines.
+  app.connect("autodoc-process-docstring", _no_builtin_docstring,
+              priority=400)
