@@ -39,7 +39,7 @@ from stiefel_optax.diagnostics import (
 #: (``[tool.setuptools.dynamic]``).
 __version__ = "0.7.0"
 
-#: The numerics identity, a different concept from the release: the release
+#: The numerics identity, a different concept from the release. The release
 #: whose numbers this code reproduces with every option at its default. It
 #: is bumped only by a change to what a default-configured transform
 #: computes (to rounding or more), not by new options, APIs or speed-ups

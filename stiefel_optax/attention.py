@@ -140,8 +140,9 @@ def stiefel_attention(
     frames: where the frames are (`selector`): None / "auto" recognises Flax
       (linen, nnx), Gemma and MaxText layouts by path and shape, and
       Equinox `eqx.nn.MultiheadAttention` modules (heads read from each),
-      and raises where it cannot decide; "flax", "gemma", "maxtext",
-      "equinox" force a preset; a mapping {path_regex: FrameSpec | None} or
+      and raises where it cannot decide; any other name of
+      `FRAME_PRESETS` forces that preset (Haliax and penzai trees are
+      named by their axes: "haliax", "penzai"); a mapping {path_regex: FrameSpec | None} or
       a callable (path, leaf) -> FrameSpec | None describes any other model
       (a fused nanoGPT `c_attn`: {r"c_attn/kernel$": fused_qkv(num_heads)};
       Haiku's `hk.MultiHeadAttention`: `haiku_mha(num_heads)`).

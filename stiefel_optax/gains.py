@@ -240,7 +240,7 @@ def gain_specs(params, gains: GainSelector = None) -> list:
       callable (path, leaf) -> GainSpec | None.
 
   Returns:
-    [(path, leaf, Gain | None)] for the leaves in flattening order.
+    [(path, leaf, GainSpec | None)] for the leaves in flattening order.
 
   Raises:
     ValueError: when nothing is selected (naming the leaves that look like

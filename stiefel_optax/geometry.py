@@ -172,7 +172,7 @@ def isometry_error(w: jax.Array) -> jax.Array:
     w: frames, shape (..., d, r) with d >= r.
 
   Returns:
-    The isometry error of each frame, shape w.shape[:-2], in
+    The isometry error of each frame, shape ``w.shape[:-2]``, in
     `compute_dtype(w.dtype)` (float32 for bf16/f16 frames).
 
   Raises:

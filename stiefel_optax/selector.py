@@ -8,7 +8,7 @@ leaf; it is one of
 
 * a preset name: ``"flax"``, ``"gemma"``, ``"maxtext"``, ``"equinox"``
   (reads each ``eqx.nn.MultiheadAttention``'s head count from the module),
-  ``"haliax"`` (Levanter's ``q_proj``/``k_proj`` ``haliax.nn.Linear``s, by
+  ``"haliax"`` (Levanter's ``q_proj``/``k_proj`` ``haliax.nn.Linear`` leaves, by
   their axis names), ``"penzai"`` (penzai's query/key Parameters, by label
   and axis names), or ``"auto"`` (the default, ``None``), which recognises
   all of them by paths and shapes, module types and axis names, and never

@@ -7,7 +7,7 @@ A sharding copied from the kernel onto its state (what Flax's boxes and
 MaxText's `nn.get_partition_spec(jax.eval_shape(tx.init, params))` do) puts
 the d axis's sharding on the heads axis, and a three-axis spec on the
 (heads,) moment. `state_shardings` maps the parameters' shardings to the
-state's instead:
+state's instead::
 
     state_specs = stiefel_optax.state_shardings(tx, params, param_specs)
 
@@ -370,7 +370,7 @@ def state_shardings(tx: optax.GradientTransformation, params,
     tx: the optimizer (`stiefel_attention`, `frame_partition`, or any optax
       transform around them, e.g. `optax.inject_hyperparams`,
       `optax.apply_if_finite`, `optax.chain`).
-    params: the parameters (arrays or `jax.ShapeDtypeStruct`s); a tree of
+    params: the parameters (arrays or `jax.ShapeDtypeStruct` leaves); a tree of
       Flax boxes (`nn.with_logical_partitioning`) is unboxed first.
     param_shardings: the parameters' shardings, a tree of `NamedSharding`
       or of `PartitionSpec` (mesh axis names, or Flax logical axis names as

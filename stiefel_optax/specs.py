@@ -58,7 +58,7 @@ class FrameSpec:
   (Haliax's NamedArray, penzai's NamedArray): FrameSpec(rows="embed",
   cols="head_size") fits Haliax's (embed, heads, head_size) and Levanter's
   (layer, kv_head, q_heads_per_group, head_size, embed) alike, every axis
-  not named being a batch axis. A named spec is `resolve`d against each
+  not named being a batch axis. A named spec is resolved (`resolve`) against each
   leaf's names (`frame_specs` does it), giving the positional spec that the
   views, the step and `state_shardings` use. A spec names all its axes or
   none.
@@ -257,8 +257,8 @@ class FrameSpec:
       batch axes in order, then heads, then (d, r).
 
     Raises:
-      ValueError: naming `name`, when the spec does not fit the shape (axes,
-      parts or heads that do not divide).
+      ValueError: naming `name`, when the spec does not fit the shape
+        (axes, parts or heads that do not divide).
     """
     shape = tuple(shape)
     batch, rows, cols, _ = self.axes(len(shape), name)

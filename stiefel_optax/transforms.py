@@ -183,7 +183,7 @@ def tangent_sq_norm(w: jax.Array, g: jax.Array, a: jax.Array) -> jax.Array:
     a: W^T G, shape (..., r, r).
 
   Returns:
-    ||P_W(G)||_F^2 per frame, shape w.shape[:-2].
+    ||P_W(G)||_F^2 per frame, shape ``w.shape[:-2]``.
 
   Example:
     >>> import jax, jax.numpy as jnp, stiefel_optax as so
