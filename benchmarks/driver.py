@@ -219,12 +219,24 @@ def value_of(field: dataclasses.Field, current, text: str):
 def override(obj, overrides: Mapping[str, str]):
   """obj (a frozen dataclass) with the overrides {key: text} applied, a
   nested key as a.b; an unknown key refused."""
-  known = settings(obj)
-  for key in overrides:
+  check_settings(overrides, settings(obj))
+  return _replace(obj, overrides)
+
+
+def check_settings(keys, known) -> None:
+  """The one refusal of a --set key that is not a setting: SystemExit
+  naming the known keys (sorted).
+
+  >>> check_settings(["lr"], ["steps", "lr"])
+  >>> check_settings(["size"], ["steps", "lr"])
+  Traceback (most recent call last):
+  ...
+  SystemExit: --set size: not a setting (known: lr, steps).
+  """
+  for key in keys:
     if key not in known:
       raise SystemExit(f"--set {key}: not a setting (known:"
                        f" {', '.join(sorted(known))}).")
-  return _replace(obj, overrides)
 
 
 def _replace(obj, overrides: Mapping[str, str]):
@@ -246,11 +258,8 @@ def split(overrides: Mapping[str, str], *objs) -> list:
   each]; a key none of them has refused."""
   parts = [{} for _ in objs]
   for key, text in overrides.items():
-    owner = next((i for i, o in enumerate(objs) if key in settings(o)), None)
-    if owner is None:
-      known = sorted(k for o in objs for k in settings(o))
-      raise SystemExit(f"--set {key}: not a setting (known:"
-                       f" {', '.join(known)}).")
+    check_settings([key], [k for o in objs for k in settings(o)])
+    owner = next(i for i, o in enumerate(objs) if key in settings(o))
     parts[owner][key] = text
   return parts
 
