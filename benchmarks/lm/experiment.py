@@ -172,7 +172,7 @@ def run(opts: driver.Options) -> dict:
   check_study_args(opts)
   if opts.robustness:
     with training.toy_compiler(opts.quick):
-      return sweep_lib.main(robustness.BENCH, opts)
+      return sweep_lib.main(robustness.SWEEP_EXPERIMENT, opts)
   study = ("quick" if opts.quick else "full") if opts.study else None
   folder = "lm" if study is None else "lm_study" + "_quick" * opts.quick
   out = opts.out or (REFERENCE_DIR if opts.report_only and opts.results_md
