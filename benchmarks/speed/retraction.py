@@ -3,7 +3,7 @@ thin SVD on a batch of d / r heads of (d, r) frames: time, and the isometry
 error after a tangent step of norm 0.1 and 1.
 
 Newton–Schulz runs in this process; eigh and SVD in a child process
-(`python -m benchmarks.speed --retraction-child METHODS`) with a timeout,
+(`python -m benchmarks speed --retraction-child METHODS`) with a timeout,
 since jaxlib's batched LAPACK calls can hang on some small CPU machines.
 """
 
@@ -91,7 +91,7 @@ def child_retraction(method: str, shapes, iters: int, timeout: float,
                      env: Optional[dict] = None):
   """Runs `retraction_rows` for method in a child process; shapes not done
   within `timeout` seconds are reported as status 'timeout (hang?)'."""
-  cmd = [sys.executable, "-m", "benchmarks.speed", "--retraction-child",
+  cmd = [sys.executable, "-m", "benchmarks", "speed", "--retraction-child",
          method, "--iters", str(iters), "--shapes",
          ",".join(f"{d}x{r}" for d, r in shapes)]    # read by `child_main`
   proc = subprocess.Popen(cmd, cwd=harness.REPO, stdout=subprocess.PIPE,
