@@ -1,17 +1,17 @@
 r"""CIFAR-10 patch benchmark: Stiefel-Adam on the attention Q/K kernels
 against AdamW, with data scaling, baselines and ablations (paired seeds).
 
-    python -m benchmarks.cifar_patches            # the full protocol, resumable
-    python -m benchmarks.cifar_patches --quick    # synthetic images, < 1 minute
-    python -m benchmarks.cifar_patches --data PATH --arms adamw,stiefel,rsgd \
+    python -m benchmarks cifar_patches            # the full protocol, resumable
+    python -m benchmarks cifar_patches --quick    # synthetic images, < 1 minute
+    python -m benchmarks cifar_patches --data PATH --arms adamw,stiefel,rsgd \
         --out DIR                                 # the main arms only
-    python -m benchmarks.cifar_patches --set model.dim=128 --set epochs=30 \
+    python -m benchmarks cifar_patches --set model.dim=128 --set epochs=30 \
         --set sizes=1000 --out DIR                # another model, one n
-    python -m benchmarks.cifar_patches ... --dry-run   # runs left, hours
-    python -m benchmarks.cifar_patches ... --time-budget 9000  # stops itself
-    python -m benchmarks.cifar_patches --report-only --out benchmarks/results/cifar \
+    python -m benchmarks cifar_patches ... --dry-run   # runs left, hours
+    python -m benchmarks cifar_patches ... --time-budget 9000  # stops itself
+    python -m benchmarks cifar_patches --report-only --out benchmarks/results/cifar \
         --data PATH --results-md benchmarks/RESULTS.md   # the committed tables
-    python -m benchmarks.cifar_patches --robustness --out \
+    python -m benchmarks cifar_patches --robustness --out \
         benchmarks/results/cifar_robustness   # the learning-rate sweep (issue 30)
 
 Every arm trains the same patch transformer (`benchmarks.models`,
