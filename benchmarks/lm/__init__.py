@@ -104,7 +104,7 @@ at nanoGPT's published settings, its own record (seeds 0-3), not the tuned
 adamw (if tuning lands on the same point the two share their runs). (2)
 Tuning on validation, every arm the same grid density: 3 half-decade points
 per hyperparameter (adamw, qk_norm and orthogonal_init: lr x weight decay;
-stiefel: Q/K lr x cap / Q/K lr; rsgd, stiefel_muon, muon: Q/K lr; the
+stiefel: Q/K lr x max_step_ratio; rsgd, stiefel_muon, muon: Q/K lr; the
 non-Q/K weights of these four on adamw's chosen lr and weight decay), tuning
 seeds 100-102, a point's score the mean over them of the whole-split
 validation loss, each grid widened geometrically past an edge its best point

@@ -156,7 +156,7 @@ def test_recipes_keep_frames_orthonormal(name):
   arm = cp.ARMS[name]
   hp = {"lr": 0.05, "cap": 0.1}
   kw = dict(arm.fixed)
-  kw.update(cap=hp["cap"])
+  kw.update(max_step_norm=hp["cap"])
   tx = arm.qk(hp["lr"], weight_decay=0.1, **kw)
   w = jnp.asarray(np_frames(1, (3, 12, 4), np.float32))
   state = tx.init(w)
@@ -234,7 +234,7 @@ def test_per_coordinate_ablation_is_not_scale_free():
   scale[..., 0] = 100.0   # one column's gradient larger, in each frame
 
   def step(recipe, grad):
-    tx = recipe(0.05, weight_decay=0.0, cap=1.0)
+    tx = recipe(0.05, weight_decay=0.0, max_step_norm=1.0)
     u, _ = tx.update(grad, tx.init(w), w)
     return u
 
