@@ -11,7 +11,7 @@
 #       6 layers, 6 heads, 384 wide, context 256, batch 64, 5,000 iters,
 #       lr 1e-3 -> 1e-4, dropout 0.2 (published AdamW val loss 1.4697),
 #       arms adamw and stiefel, paired seeds 0, 1, ... as many as fit in the
-#       time left (benchmarks.lm --time-budget), then its report.
+#       time left (benchmarks lm --time-budget), then its report.
 #
 #   bash benchmarks/accelerator.sh              # on a GPU machine
 #   TOY=1 bash benchmarks/accelerator.sh        # CPU smoke run, toy sizes
@@ -20,8 +20,9 @@
 # speed/speed.json and speed.md, lm/ (runs, table.md, results.json), log.txt.
 # Knobs: BUDGET_S (whole script, default 450 s), SEEDS (default 0-7), SPEED
 # (default 1; 0 skips part (a), which tests/benchmarks/test_speed.py covers on CPU),
-# STIEFEL_LR, STIEFEL_CAP (the Stiefel Q/K peak lr and trust region, default
-# 0.3 and 0.3: chosen at the CPU config, not re-tuned at this one), DATA,
+# STIEFEL_LR, STIEFEL_MAX_STEP_NORM (the Stiefel Q/K peak lr and trust-region
+# radius, default 0.3 and 0.3: chosen at the CPU config, not re-tuned at this
+# one; STIEFEL_CAP, its former name, still read), DATA,
 # PYTHON (the interpreter; default .venv/bin/python, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,7 @@ TOY=${TOY:-0}
 BUDGET_S=${BUDGET_S:-450}
 SEEDS=${SEEDS:-0-7}
 STIEFEL_LR=${STIEFEL_LR:-0.3}
-STIEFEL_CAP=${STIEFEL_CAP:-0.3}
+STIEFEL_MAX_STEP_NORM=${STIEFEL_MAX_STEP_NORM:-${STIEFEL_CAP:-0.3}}
 mkdir -p "$OUT"
 start=$(date +%s)
 if [ "$TOY" = 1 ]; then
@@ -46,7 +47,7 @@ else PY=python3; fi
 
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
-  echo "TOY=$TOY BUDGET_S=$BUDGET_S SEEDS=$SEEDS STIEFEL_LR=$STIEFEL_LR STIEFEL_CAP=$STIEFEL_CAP"
+  echo "TOY=$TOY BUDGET_S=$BUDGET_S SEEDS=$SEEDS STIEFEL_LR=$STIEFEL_LR STIEFEL_MAX_STEP_NORM=$STIEFEL_MAX_STEP_NORM"
   git rev-parse HEAD 2>/dev/null || true
   nvidia-smi -L 2>/dev/null || echo "nvidia-smi: none"
   "$PY" -c 'import jax; print("jax", jax.__version__, jax.default_backend(), jax.devices())'
@@ -89,7 +90,7 @@ else
 fi
 if [ -n "${DATA:-}" ]; then LM_ARGS+=(--data "$DATA"); fi
 echo "LM: ${left} s left for the paired seeds"
-"$PY" -m benchmarks.lm "${LM_ARGS[@]}" --arms adamw,stiefel --seeds "$SEEDS" \
-  --set stiefel_learning_rate="$STIEFEL_LR" --set max_step_norm="$STIEFEL_CAP" --out "$OUT/lm" \
+"$PY" -m benchmarks lm "${LM_ARGS[@]}" --arms adamw,stiefel --seeds "$SEEDS" \
+  --set stiefel_learning_rate="$STIEFEL_LR" --set max_step_norm="$STIEFEL_MAX_STEP_NORM" --out "$OUT/lm" \
   --time-budget "$((left > 30 ? left - 30 : 1))"   # then writes its report
 echo "accelerator.sh: done in $(($(date +%s) - start)) s; results under $OUT"

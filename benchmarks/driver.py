@@ -15,7 +15,9 @@ experiment sweeps, e.g. the language model's learning rates), presets
 `--worker I/N` (this process's share of the runs), `--study`,
 `--robustness` (`--sweep NAME`: which of its sweeps; a sweep is not a
 `Config` preset, so --preset does not name one), `--report-only`,
-`--dry-run`, `--out`.
+`--dry-run`, `--out`. A command that is no study (`speed`, `long_run`)
+takes only the common options it names (`Experiment.common`) and adds its
+own to the same parser (`Experiment.arguments`).
 
 >>> opts = parse(EXAMPLE, ["--quick", "--set", "lr=0.1", "--seeds", "0-2"])
 >>> opts.preset, opts.seeds, opts.overrides
@@ -39,6 +41,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from benchmarks import harness
 
+# The common options (every experiment's unless its record names fewer:
+# `Experiment.common`) and their values where an experiment does not take
+# one.
+COMMON = {"preset": None, "quick": False, "set": (), "seeds": None,
+          "out": None, "report_only": False, "results_md": None,
+          "time_budget": 0, "note": "", "quiet": False}
 # The options beyond the common ones, each taken by the experiments whose
 # record names it (`Experiment.options`).
 EXTRA = ("study", "robustness", "sweep", "arms", "worker", "dry_run",
@@ -51,7 +59,10 @@ class Experiment:
   benchmarks.<name>), a line of description, its presets (name ->
   Config; `default` the one without --preset or --quick), what --quick
   does, the default seeds (text), the extra options it takes (of EXTRA),
-  and run(opts) -> dict: train what the options ask, then report."""
+  and run(opts) -> dict: train what the options ask, then report. A
+  command that is no study names the common options it takes (`common`,
+  of COMMON), adds its own (`arguments(parser)`) and may word the common
+  ones' help its own way (`help`: {name: text})."""
   name: str
   summary: str
   presets: Mapping[str, Any]
@@ -60,54 +71,74 @@ class Experiment:
   quick: str = "the toy size of the same path (under a minute)"
   seeds: str = "0"
   options: tuple = ()
+  common: tuple = tuple(COMMON)
+  arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None
+  help: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
   """The parsed command: the experiment's options, its preset (named, or
   quick), the --set overrides {key: text}, the command line as the runs
-  record it, and log (print, or nothing with --quiet)."""
+  record it, log (print, or nothing with --quiet) and the parser (its
+  `error`: a usage error, exit status 2)."""
   args: argparse.Namespace
   preset: str
   overrides: Mapping[str, str]
   command: str
   log: Callable
+  parser: Optional[argparse.ArgumentParser] = None
 
   def __getattr__(self, name: str):
     return getattr(self.args, name)
+
+  def error(self, message: str):
+    """argparse's usage error: the message on stderr, exit status 2."""
+    self.parser.error(message)
 
 
 def parser(exp: Experiment, prog: str) -> argparse.ArgumentParser:
   """The one parser: the common options, and those of EXTRA the
   experiment takes."""
   p = argparse.ArgumentParser(prog=prog, description=exp.summary)
-  p.add_argument("--preset", choices=sorted(exp.presets), default=None,
-                 help=f"the configuration (default {exp.default})")
-  p.add_argument("--quick", action="store_true",
-                 help=f"--preset quick: {exp.quick}")
-  p.add_argument("--set", dest="set", action="append", default=[],
-                 metavar="KEY=VALUE",
-                 help="override one setting of the preset (repeatable)")
-  p.add_argument("--seeds", type=harness.seeds_type, default=None,
-                 help="a list or range, e.g. 0-11, 500-511 or 500,501,502"
-                      f" (default {exp.seeds})")
-  p.add_argument("--out", type=pathlib.Path, default=None,
-                 help="results folder (default under runs/, ignored by"
-                      " git; name a folder under benchmarks/results/ to"
-                      " rewrite the committed reference results)")
-  p.add_argument("--report-only", action="store_true",
-                 help="no training: report the saved runs")
-  p.add_argument("--results-md", type=pathlib.Path, default=None,
-                 help="also rewrite this experiment's section of this"
-                      " RESULTS.md (e.g. benchmarks/RESULTS.md)")
-  p.add_argument("--time-budget", type=float, default=0,
-                 metavar="SECONDS",
-                 help="stop before a run expected to end past this many"
-                      " seconds from the start (0: no limit)")
-  p.add_argument("--note", default="",
-                 help="text written to <out>/notes.md (in every report)")
-  p.add_argument("--quiet", action="store_true",
-                 help="no progress bar or log lines")
+  quick = (f"--preset quick: {exp.quick}" if "preset" in exp.common
+           else exp.quick)
+  common = {
+      "preset": dict(choices=sorted(exp.presets), default=None,
+                     help=f"the configuration (default {exp.default})"),
+      "quick": dict(action="store_true", help=quick),
+      "set": dict(action="append", default=[], metavar="KEY=VALUE",
+                  help="override one setting of the preset (repeatable)"),
+      "seeds": dict(type=harness.seeds_type, default=None,
+                    help="a list or range, e.g. 0-11, 500-511 or"
+                         f" 500,501,502 (default {exp.seeds})"),
+      "out": dict(type=pathlib.Path, default=None,
+                  help="results folder (default under runs/, ignored by"
+                       " git; name a folder under benchmarks/results/ to"
+                       " rewrite the committed reference results)"),
+      "report_only": dict(action="store_true",
+                          help="no training: report the saved runs"),
+      "results_md": dict(type=pathlib.Path, default=None,
+                         help="also rewrite this experiment's section of"
+                              " this RESULTS.md (e.g."
+                              " benchmarks/RESULTS.md)"),
+      "time_budget": dict(type=float, default=0, metavar="SECONDS",
+                          help="stop before a run expected to end past"
+                               " this many seconds from the start (0: no"
+                               " limit)"),
+      "note": dict(default="",
+                   help="text written to <out>/notes.md (in every"
+                        " report)"),
+      "quiet": dict(action="store_true",
+                    help="no progress bar or log lines"),
+  }
+  for name in COMMON:
+    if name in exp.common:
+      kwargs = dict(common[name])
+      kwargs["help"] = exp.help.get(name, kwargs["help"])
+      p.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
+  if exp.arguments is not None:
+    exp.arguments(p)
   extra = {
       "study": dict(action="store_true",
                     help="the fair study, resumable: every arm tuned, then"
@@ -147,7 +178,11 @@ def parse(exp: Experiment, argv: Sequence[str],
           prog: Optional[str] = None) -> Options:
   """The options of `argv` for the experiment, checked."""
   prog = prog or f"python -m benchmarks.{exp.name}"
-  args = parser(exp, prog).parse_args(list(argv))
+  p = parser(exp, prog)
+  args = p.parse_args(list(argv))
+  for name, value in COMMON.items():
+    if name not in exp.common:
+      setattr(args, name, value)
   for name in EXTRA:
     if name not in exp.options:
       setattr(args, name, {"probe": 0}.get(name, None))
@@ -167,7 +202,7 @@ def parse(exp: Experiment, argv: Sequence[str],
          else functools.partial(print, flush=True))
   return Options(args, preset, overrides,
                  harness.command_line(prog.split("python -m ", 1)[-1],
-                                      argv), log)
+                                      argv), log, p)
 
 
 def check_worker(spec: str) -> tuple:
@@ -219,12 +254,24 @@ def value_of(field: dataclasses.Field, current, text: str):
 def override(obj, overrides: Mapping[str, str]):
   """obj (a frozen dataclass) with the overrides {key: text} applied, a
   nested key as a.b; an unknown key refused."""
-  known = settings(obj)
-  for key in overrides:
+  check_settings(overrides, settings(obj))
+  return _replace(obj, overrides)
+
+
+def check_settings(keys, known) -> None:
+  """The one refusal of a --set key that is not a setting: SystemExit
+  naming the known keys (sorted).
+
+  >>> check_settings(["lr"], ["steps", "lr"])
+  >>> check_settings(["size"], ["steps", "lr"])
+  Traceback (most recent call last):
+  ...
+  SystemExit: --set size: not a setting (known: lr, steps).
+  """
+  for key in keys:
     if key not in known:
       raise SystemExit(f"--set {key}: not a setting (known:"
                        f" {', '.join(sorted(known))}).")
-  return _replace(obj, overrides)
 
 
 def _replace(obj, overrides: Mapping[str, str]):
@@ -246,11 +293,8 @@ def split(overrides: Mapping[str, str], *objs) -> list:
   each]; a key none of them has refused."""
   parts = [{} for _ in objs]
   for key, text in overrides.items():
-    owner = next((i for i, o in enumerate(objs) if key in settings(o)), None)
-    if owner is None:
-      known = sorted(k for o in objs for k in settings(o))
-      raise SystemExit(f"--set {key}: not a setting (known:"
-                       f" {', '.join(known)}).")
+    check_settings([key], [k for o in objs for k in settings(o)])
+    owner = next(i for i, o in enumerate(objs) if key in settings(o))
     parts[owner][key] = text
   return parts
 

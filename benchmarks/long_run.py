@@ -16,9 +16,9 @@ chunks; after every chunk the script records, over all frames:
                           ||W_{t+1} - W_t||_F: the frames keep moving
   loss                    mean training loss over the chunk
 
-    python -m benchmarks.long_run                   # full: float32 100,000
+    python -m benchmarks long_run                   # full: float32 100,000
                                                     # steps, bf16/f16 10,000
-    python -m benchmarks.long_run --quick           # float32 5,000 steps
+    python -m benchmarks long_run --quick           # float32 5,000 steps
 
 The full mode writes runs/long_run/long_run.json (and rewrites it after
 every chunk, so an interrupted run keeps what it measured).
@@ -39,7 +39,7 @@ import numpy as np
 import optax
 
 import stiefel_optax as so
-from benchmarks import harness, models
+from benchmarks import driver, harness, models
 
 # Runs write under runs/ (git-ignored); `--out benchmarks/results/long_run.json`
 # refreshes the committed reference record.
@@ -192,39 +192,40 @@ def long_run(steps: int = 5_000, *, chunk: int = 1_000, dtype="float32",
   return record
 
 
-def main(argv: Optional[list] = None) -> dict:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.long_run",
-                                   description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="float32 only, 5,000 steps, nothing written")
+def arguments(parser: argparse.ArgumentParser) -> None:
+  """The drift run's own options, beside the driver's --quick and --out."""
   parser.add_argument("--steps", type=int, default=100_000)
   parser.add_argument("--low-precision-steps", type=int, default=10_000)
   parser.add_argument("--chunk", type=int, default=10_000)
-  parser.add_argument("--out", default=RESULTS)
-  args = parser.parse_args(argv)
-  if args.quick:
+
+
+def run_command(opts: driver.Options) -> dict:
+  """What the parsed command asks: --quick's float32 run, printed, or the
+  full runs, written to --out (a JSON file) after every chunk."""
+  if opts.quick:
     rec = long_run(5_000, chunk=1_000, verbose=True)
     print(json.dumps({k: v for k, v in rec.items() if k != "chunks"}))
     return {"float32": rec}
+  out = str(opts.out or RESULTS)
 
   results = {"platform": platform.platform(), "jax": jax.__version__,
              "backend": jax.default_backend(), "runs": {}}
 
-  low, steps = args.low_precision_steps, args.steps
+  low, steps = opts.low_precision_steps, opts.steps
   # name: (dtype, euclidean leaves' dtype, steps, chunk, model size)
   runs = {
       "bfloat16": ("bfloat16", None, low, low // 10, {}),
       "float16": ("float16", "float32", low, low // 10, {}),
-      "float32": ("float32", None, steps, args.chunk, {}),
-      "float32_d64_r16": ("float32", None, steps, args.chunk,
+      "float32": ("float32", None, steps, opts.chunk, {}),
+      "float32_d64_r16": ("float32", None, steps, opts.chunk,
                           dict(d=64, heads=4, head_dim=16)),
   }
   for name, (dtype, euclid, n, chunk, size) in runs.items():
 
     def save(rec, name=name):
       results["runs"][name] = rec
-      os.makedirs(os.path.dirname(args.out), exist_ok=True)
-      with open(args.out, "w") as f:
+      os.makedirs(os.path.dirname(out), exist_ok=True)
+      with open(out, "w") as f:
         json.dump(results, f, indent=1)
 
     rec = long_run(n, chunk=chunk, dtype=dtype, euclidean_dtype=euclid,
@@ -234,6 +235,21 @@ def main(argv: Optional[list] = None) -> dict:
           f" error {rec['max_isometry_error']:.3g} (tolerance"
           f" {rec['tolerance']}, passed {rec['passed']})", flush=True)
   return results
+
+
+EXPERIMENT = driver.Experiment(
+    name="long_run", summary=__doc__.split("\n\n")[0], presets={},
+    default="full", run=run_command,
+    quick="float32 only, 5,000 steps, nothing written",
+    common=("quick", "out"), arguments=arguments,
+    help={"out": "the JSON file written (default"
+                 " runs/long_run/long_run.json)"})
+
+
+def main(argv: Optional[list] = None) -> dict:
+  """`python -m benchmarks.long_run [options]`: `python -m benchmarks
+  long_run`."""
+  return driver.run(EXPERIMENT, argv)
 
 
 if __name__ == "__main__":

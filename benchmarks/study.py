@@ -35,6 +35,12 @@ CIFAR and the language-model benchmarks:
   be overrun; `run_study` also calls back after each paired run (the
   tables so far); `run_list` runs a fixed list (grokking's jobs, the LM's
   seeds).
+
+This module is the benchmarks' one planner: the paired study here; the
+learning-rate sweep (`benchmarks.sweep`: its grid and seed-major tasks,
+run by `run_tasks`); a command's list of configurations (the LM's
+`experiment.configs`: the product grid of its --set values, `grid_points`,
+each point applied by `driver.override`).
 """
 
 from __future__ import annotations

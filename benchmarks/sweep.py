@@ -381,8 +381,9 @@ def figures(out: pathlib.Path, results_md: Optional[pathlib.Path]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Bench:
-  """An experiment's side of its sweep, handed to `main`: its sweeps
+class SweepExperiment:
+  """An experiment as the sweep's command sees it (its side of its sweep,
+  handed to `main`; cf. `driver.Experiment`): its sweeps
   ({name: a `Sweep` with a `base` configuration}: `full`, `quick` and any
   other that --sweep names), the default results folder (runs/<folder>,
   `_<name>` added for a sweep other than `full`), its RESULTS.md heading,
@@ -399,7 +400,7 @@ class Bench:
   report: Callable
 
 
-def sweep_name(bench: Bench, opts) -> str:
+def sweep_name(bench: SweepExperiment, opts) -> str:
   """The sweep the command names: --sweep NAME (a key of the experiment's
   sweeps), else `quick` with --quick, else `full`."""
   name = getattr(opts, "sweep", None)
@@ -413,7 +414,7 @@ def sweep_name(bench: Bench, opts) -> str:
   return name
 
 
-def configure(bench: Bench, opts) -> Sweep:
+def configure(bench: SweepExperiment, opts) -> Sweep:
   """The named sweep (`sweep_name`), its arms narrowed by --arms (the
   reference, its first, kept first) and its base configuration changed by
   --set (each run's name follows its configuration, so a changed base is
@@ -432,7 +433,7 @@ def configure(bench: Bench, opts) -> Sweep:
   return sweep
 
 
-def main(bench: Bench, opts) -> dict:
+def main(bench: SweepExperiment, opts) -> dict:
   """--robustness [--sweep NAME]: the sweep's runs (unless --report-only;
   `run`, with --worker, --time-budget and --dry-run), then its report, and
   its RESULTS.md section with --results-md (under the report's heading,

@@ -121,24 +121,27 @@ def train_chunk(loss_fn: Callable, tx: optax.GradientTransformation,
   return chunk
 
 
-def frame_step_records(frames, lr: Callable, *, cap: Optional[float] = None,
+def frame_step_records(frames, lr: Callable, *,
+                       max_step_norm: Optional[float] = None,
                        b1: float = 0.9, b2: float = 0.999,
                        eps: float = 1e-8) -> Callable:
   """aux_fn(old, new, opt_state) for `train_chunk`: a Stiefel recipe's
   per-step records on the Q/K frames of the selector `frames`.
 
-  `step_norm`: the mean over the frames of ||W+ - W||_F. With `cap` (the
-  recipe's trust-region max_step_norm), also `cap_binds`: the fraction of
+  `step_norm`: the mean over the frames of ||W+ - W||_F. With
+  `max_step_norm` (the recipe's trust-region radius), also `cap_binds` (the
+  runs' recorded name): the fraction of
   frames whose uncapped step lr(t - 1) ||m^||_F / (sqrt(v^) + eps) (Adam's
   bias-corrected moments, b1 and b2 the recipe's, read from the one
-  `ScaleByFrameAdamState` of the new state) exceeds the cap, i.e. where
-  the step is cap m / ||m|| and the second moment plays no part.
+  `ScaleByFrameAdamState` of the new state) exceeds the radius, i.e.
+  where the step is max_step_norm m / ||m|| and the second moment plays no
+  part.
   """
   is_adam = lambda s: isinstance(s, so.ScaleByFrameAdamState)
 
   def records(old, new, opt_state):
     out = dict(step_norm=mean_of(so.frame_movement(old, new, frames).values()))
-    if cap is not None:
+    if max_step_norm is not None:
       (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam)
                  if is_adam(s)]
       t = adam.count.astype(jnp.float32)
@@ -146,7 +149,7 @@ def frame_step_records(frames, lr: Callable, *, cap: Optional[float] = None,
                   / ((1 - b1 ** t) * (jnp.sqrt(v / (1 - b2 ** t)) + eps))
                   for m, v in zip(jax.tree.leaves(adam.mu),
                                   jax.tree.leaves(adam.nu))]
-      out["cap_binds"] = mean_of(n > cap for n in uncapped)
+      out["cap_binds"] = mean_of(n > max_step_norm for n in uncapped)
     return out
 
   return records
@@ -215,12 +218,12 @@ def qk_adamw(lr, *, weight_decay, **_):
 
 
 def qk_stiefel(lr, *, b1=0.9, b2=0.999, eps=1e-8,
-               cap=so.aliases.DEFAULT_MAX_STEP_NORM, **_):
-  """Stiefel-Adam: project, one scalar v per frame, lr, cap, retract.
-  `cap` is the trust-region radius itself (max_step_norm = cap), not a
-  ratio of the lr (the LM study's max_step_ratio is: max_step_norm =
+               max_step_norm=so.aliases.DEFAULT_MAX_STEP_NORM, **_):
+  """Stiefel-Adam: project, one scalar v per frame, lr, trust region,
+  retract. `max_step_norm` is the trust-region radius itself, not a ratio
+  of the lr (the LM study's max_step_ratio is: max_step_norm =
   max_step_ratio x Q/K lr)."""
-  return so.stiefel_adam(lr, b1, b2, eps, max_step_norm=cap)
+  return so.stiefel_adam(lr, b1, b2, eps, max_step_norm=max_step_norm)
 
 
 def qk_rsgd(lr, **_):

@@ -1,17 +1,17 @@
 r"""CIFAR-10 patch benchmark: Stiefel-Adam on the attention Q/K kernels
 against AdamW, with data scaling, baselines and ablations (paired seeds).
 
-    python -m benchmarks.cifar_patches            # the full protocol, resumable
-    python -m benchmarks.cifar_patches --quick    # synthetic images, < 1 minute
-    python -m benchmarks.cifar_patches --data PATH --arms adamw,stiefel,rsgd \
+    python -m benchmarks cifar_patches            # the full protocol, resumable
+    python -m benchmarks cifar_patches --quick    # synthetic images, < 1 minute
+    python -m benchmarks cifar_patches --data PATH --arms adamw,stiefel,rsgd \
         --out DIR                                 # the main arms only
-    python -m benchmarks.cifar_patches --set model.dim=128 --set epochs=30 \
+    python -m benchmarks cifar_patches --set model.dim=128 --set epochs=30 \
         --set sizes=1000 --out DIR                # another model, one n
-    python -m benchmarks.cifar_patches ... --dry-run   # runs left, hours
-    python -m benchmarks.cifar_patches ... --time-budget 9000  # stops itself
-    python -m benchmarks.cifar_patches --report-only --out benchmarks/results/cifar \
+    python -m benchmarks cifar_patches ... --dry-run   # runs left, hours
+    python -m benchmarks cifar_patches ... --time-budget 9000  # stops itself
+    python -m benchmarks cifar_patches --report-only --out benchmarks/results/cifar \
         --data PATH --results-md benchmarks/RESULTS.md   # the committed tables
-    python -m benchmarks.cifar_patches --robustness --out \
+    python -m benchmarks cifar_patches --robustness --out \
         benchmarks/results/cifar_robustness   # the learning-rate sweep (issue 30)
 
 Every arm trains the same patch transformer (`benchmarks.models`,
@@ -45,8 +45,8 @@ study, experiment; the model is `benchmarks.models`' patch transformer):
     train.py    a run's start, its jitted epoch and evaluation, `Trainer`
                 (the images on device; one run, epoch by epoch)
     study.py    the arms' groups (each arm's tuning grid) and seeds, the
-                report's families, `Bench` (the study's runs planned, read,
-                written and timed), the lines a study prints
+                report's families, `StudyRuns` (the study's runs planned,
+                read, written and timed), the lines a study prints
     robustness.py  the learning-rate sweep (`benchmarks.sweep` on this
                 model: its grid, ratios and seeds, one run epoch by epoch
                 with its divergence stop, the report)
@@ -70,15 +70,15 @@ from benchmarks.cifar_patches.experiment import EXPERIMENT, main
 from benchmarks.cifar_patches.config import PRESETS, Config, Task, run_name
 from benchmarks.cifar_patches.data import seed_stream, validation_split
 from benchmarks.cifar_patches.study import (GROUPS, MAIN_SEEDS, OTHER_SEEDS,
-                                            Bench, describe, estimate_text,
-                                            families, quick_groups,
-                                            study_arms)
+                                            StudyRuns, describe,
+                                            estimate_text, families,
+                                            quick_groups, study_arms)
 from benchmarks.cifar_patches.train import (Trainer, init_params,
                                             make_epoch_fn, make_eval_fn,
                                             normalize, orthonormal_start)
 
 __all__ = ["ARMS", "BASE_KEYS", "EXPERIMENT", "GROUPS", "MAIN_SEEDS", "OTHER_SEEDS",
-           "PER_HEAD", "PRESETS", "WHOLE_FRAME", "Bench", "Config", "Task",
+           "PER_HEAD", "PRESETS", "StudyRuns", "WHOLE_FRAME", "Config", "Task",
            "Trainer", "describe", "estimate_text", "families", "frames_of",
            "init_params", "main", "make_epoch_fn", "make_eval_fn",
            "make_optimizer", "normalize", "orthonormal_start",

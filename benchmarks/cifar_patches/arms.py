@@ -25,28 +25,31 @@ def qk_frozen(lr=None, **_):
   return optax.set_to_zero()
 
 
-def qk_no_projection(lr, *, cap=so.aliases.DEFAULT_MAX_STEP_NORM, eps=1e-8, **_):
+def qk_no_projection(lr, *, max_step_norm=so.aliases.DEFAULT_MAX_STEP_NORM,
+                     eps=1e-8, **_):
   """Ablation: no tangent projection of gradient or momentum; the polar
   retraction (its Newton–Schulz sized for non-tangent steps) still keeps W
   on the manifold."""
   return optax.chain(
       so.scale_by_frame_adam(eps=eps, transport_momentum=False),
       optax.scale_by_learning_rate(lr),
-      so.clip_frame_norm(cap),
-      so.retract_polar(max_step_norm=cap, tangent=False))
+      so.clip_frame_norm(max_step_norm),
+      so.retract_polar(max_step_norm=max_step_norm, tangent=False))
 
 
-def qk_per_coordinate(lr, *, cap=so.aliases.DEFAULT_MAX_STEP_NORM, eps=1e-8, **_):
+def qk_per_coordinate(lr, *, max_step_norm=so.aliases.DEFAULT_MAX_STEP_NORM,
+                      eps=1e-8, **_):
   """Ablation: Adam's per-coordinate second moment instead of one scalar
   per frame (not scale-free per frame, not O(d)-equivariant); the step is
-  projected back to the tangent space before cap and retraction."""
+  projected back to the tangent space before the trust region and
+  retraction."""
   return optax.chain(
       so.project_to_tangent(),
       optax.scale_by_adam(eps=eps),
       so.project_to_tangent(),
       optax.scale_by_learning_rate(lr),
-      so.clip_frame_norm(cap),
-      so.retract_polar(max_step_norm=cap))
+      so.clip_frame_norm(max_step_norm),
+      so.retract_polar(max_step_norm=max_step_norm))
 
 
 def qk_no_cap(lr, *, eps=1e-8, **_):
@@ -96,6 +99,22 @@ def schedule(peak: float, total_steps: int, cfg):
 
 
 BASE_KEYS = ("lr", "weight_decay")
+# A tuned hyperparameter's recorded name (in a run's `hp`, its tuning run's
+# name and the sweep's ratios, so kept: the committed runs' identities) ->
+# the recipe's keyword: Stiefel's `cap` is the trust-region radius,
+# max_step_norm.
+RECIPE_KEYWORDS = {"cap": "max_step_norm"}
+
+
+def recipe_keywords(hp: dict) -> dict:
+  """The recipe's keywords of the hyperparameters hp (those of BASE_KEYS
+  left out: the base AdamW's).
+
+  >>> recipe_keywords({"lr": 0.3, "cap": 0.1})
+  {'max_step_norm': 0.1}
+  """
+  return {RECIPE_KEYWORDS.get(k, k): v for k, v in hp.items()
+          if k not in BASE_KEYS}
 
 
 def make_optimizer(cfg, arm: str, hp: dict, base: dict,
@@ -109,4 +128,4 @@ def make_optimizer(cfg, arm: str, hp: dict, base: dict,
   return training.arm_optimizer(
       ARMS[arm], optax.adamw(rest_lr, weight_decay=base["weight_decay"]),
       qk_lr, PER_HEAD, weight_decay=base["weight_decay"],
-      **{k: v for k, v in hp.items() if k not in BASE_KEYS})
+      **recipe_keywords(hp))

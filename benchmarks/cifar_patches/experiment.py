@@ -15,8 +15,9 @@ from benchmarks.cifar_patches import data as cifar_data, robustness
 from benchmarks.cifar_patches.arms import ARMS
 from benchmarks.cifar_patches.config import PRESETS
 from benchmarks.cifar_patches.study import (GROUPS, MAIN_SEEDS, OTHER_SEEDS,
-                                            Bench, describe, estimate_text,
-                                            families, quick_groups)
+                                            StudyRuns, describe,
+                                            estimate_text, families,
+                                            quick_groups)
 from benchmarks.reports import cifar as report_lib
 
 
@@ -38,7 +39,7 @@ def configure(opts: driver.Options) -> tuple:
 
 def run(opts: driver.Options) -> dict:
   if opts.robustness:
-    return sweep_lib.main(robustness.BENCH, opts)
+    return sweep_lib.main(robustness.SWEEP_EXPERIMENT, opts)
   if opts.worker or opts.sweep:
     raise SystemExit("--worker and --sweep are --robustness's; add it.")
   cfg, plan = configure(opts)
@@ -60,23 +61,26 @@ def run(opts: driver.Options) -> dict:
   inherit = None
   if opts.hp_from:
     inherit = json.loads((opts.hp_from / "summary.json").read_text())["chosen"]
-  bench = Bench(data, cfg, out, groups, inherit,
-                harness.portable(opts.hp_from) if opts.hp_from else None)
+  study_runs = StudyRuns(
+      data, cfg, out, groups, inherit,
+      harness.portable(opts.hp_from) if opts.hp_from else None)
   if not opts.report_only:
-    study, runs = bench.study(sizes, seeds, other_seeds, arms), bench.finished()
+    study = study_runs.study(sizes, seeds, other_seeds, arms)
+    runs = study_runs.finished()
     print(f"data {data.source} ({data.location or 'in memory'}); identity"
-          f" {bench.fp}; out {out}", flush=True)
+          f" {study_runs.fp}; out {out}", flush=True)
     print(estimate_text(study_lib.estimate(
-        study_lib.remaining(study, runs, assume=True), bench.expected_s)),
+        study_lib.remaining(study, runs, assume=True),
+        study_runs.expected_s)),
           flush=True)
     if opts.dry_run:
       return {}
     t0 = time.time()
     study_lib.run_study(   # the plan asked anew after each run
-        lambda: study_lib.remaining(study, runs), bench.execute,
+        lambda: study_lib.remaining(study, runs), study_runs.execute,
         on_paired=lambda: report_lib.report(   # the tables so far
             out, families(), data.source, cfg.to_dict(), plots=False),
-        desc="cifar", describe=describe, expected_s=bench.expected_s,
+        desc="cifar", describe=describe, expected_s=study_runs.expected_s,
         time_budget=opts.time_budget)
     print(f"sweep wall time {time.time() - t0:.0f}s", flush=True)
   # --report-only reports the folder's runs under their own configuration

@@ -6,8 +6,8 @@ moving with eta by the CIFAR study's ratios; each run trained on the
 tuning pool and scored on the validation split after every epoch, stopped
 where it diverges. Here: the sweeps (`SWEEPS`), a point's hyperparameters
 (`point`), a run's name and its training (`train_run`), and what the
-sweep's command (`benchmarks.sweep.main`) is handed (`BENCH`): the runs'
-training (`prepare`) and the report (`robustness_report`).
+sweep's command (`benchmarks.sweep.main`) is handed (`SWEEP_EXPERIMENT`):
+the runs' training (`prepare`) and the report (`robustness_report`).
 
 >>> point(SWEEP, "stiefel", 1e-3)
 ({'lr': 1.11, 'cap': 0.01}, {'lr': 0.001, 'weight_decay': 0.25})
@@ -212,6 +212,6 @@ def robustness_report(sweep: Sweep, preset: str, out: pathlib.Path,
           " adamw and qk_norm train every weight at eta."))
 
 
-BENCH = sweep_lib.Bench(sweeps=SWEEPS, folder="cifar_robustness",
-                        section=SECTION, names=names, prepare=prepare,
-                        report=robustness_report)
+SWEEP_EXPERIMENT = sweep_lib.SweepExperiment(
+    sweeps=SWEEPS, folder="cifar_robustness", section=SECTION, names=names,
+    prepare=prepare, report=robustness_report)

@@ -1,7 +1,7 @@
 """The study (`benchmarks.study`): which arms, tuned and paired how
 (`GROUPS`: each arm's tuning grid, group by group), and the report's
-families of comparisons; `Bench`, the study's runs planned, read from and
-written to <out>/runs/, and timed; the lines a study prints."""
+families of comparisons; `StudyRuns`, the study's runs planned, read from
+and written to <out>/runs/, and timed; the lines a study prints."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def quick_groups(groups: dict = GROUPS) -> dict:
           for g, arms in groups.items()}
 
 
-class Bench:
+class StudyRuns:
   """The study's runs: planned (`study`), read from and written to
   <out>/runs/ (`load`, `execute`: trained by its `Trainer`), timed
   (`expected_s`)."""

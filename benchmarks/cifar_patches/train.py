@@ -78,12 +78,13 @@ STEPPED = ("stiefel", "rsgd")
 def step_records(cfg: Config, arm: str, hp: dict, total_steps: int):
   """The per-step records of the Stiefel arms on the Q/K frames
   (`training.frame_step_records`: step_norm, and for stiefel, whose trust
-  region caps the step at hp["cap"], cap_binds); None for the others."""
+  region's radius max_step_norm is hp["cap"], cap_binds); None for the
+  others."""
   if arm not in STEPPED:
     return None
   return training.frame_step_records(
       frames_of(ARMS[arm]), schedule(hp["lr"], total_steps, cfg),
-      cap=hp["cap"] if arm == "stiefel" else None)
+      max_step_norm=hp["cap"] if arm == "stiefel" else None)
 
 
 class Trainer:

@@ -20,7 +20,7 @@
                                              # the slingshot pilot's 4 arms
     python -m benchmarks grokking --quick --study   # its smoke run
 
-The main job (`python -m benchmarks.grokking`, or `python -m benchmarks
+The main job (`python -m benchmarks grokking`, or `python -m benchmarks
 grokking`, with no preset, setting, seed, arm or folder named) runs the two
 cells of `study.MAIN_JOB`, each in its own folder under runs/grokking/, and
 ends with a summary of both:

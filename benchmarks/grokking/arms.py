@@ -74,4 +74,4 @@ def make_optimizer(cfg, arm: str) -> optax.GradientTransformation:
   lr = getattr(cfg, a.fields[0]) if a.fields else None
   return training.arm_optimizer(
       a, adamw, schedule(cfg, cfg.learning_rate if lr is None else lr),
-      b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, cap=cfg.max_step_norm)
+      b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, max_step_norm=cfg.max_step_norm)

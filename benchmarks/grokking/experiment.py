@@ -14,7 +14,7 @@ confirmation seeds), `--arms` its arms (the reference first):
     python -m benchmarks grokking --preset slingshot --set steps=100000
     python -m benchmarks grokking --quick --study      # a smoke run
 
-The main job, `python -m benchmarks.grokking` with no preset, setting,
+The main job, `python -m benchmarks grokking` with no preset, setting,
 seed, arm or folder named, runs the cells of `study.MAIN_JOB` in order,
 each in its own folder under runs/grokking/ (a reduced train-fraction-0.3
 cell, `--preset frac0.3_demo`, then the 0.1.0 list, `--preset default`),

@@ -21,7 +21,7 @@ Two kinds:
   seed's run and an rsgd probe, runs of different lengths (so the
   progress bar counts steps, not runs).
 
-The main job (`MAIN_JOB`): the cells `python -m benchmarks.grokking` runs
+The main job (`MAIN_JOB`): the cells `python -m benchmarks grokking` runs
 when nothing is named, the confirmed finding reduced beside the null.
 """
 
@@ -115,7 +115,7 @@ class Cell(NamedTuple):
   standing: str
 
 
-# The main job (`python -m benchmarks.grokking` with no preset, setting,
+# The main job (`python -m benchmarks grokking` with no preset, setting,
 # seed, arm or folder named): these cells in order, then a summary of both
 # (`experiment.summary`). The confirmed finding first, reduced, then the
 # 0.1.0 list at train fraction 0.5, where the five-seed study found nothing.

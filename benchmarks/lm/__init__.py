@@ -1,36 +1,36 @@
 """Character-level language model on tiny Shakespeare: nanoGPT in Flax, the
 Stiefel attention optimizer and its alternatives as arms.
 
-    python -m benchmarks.lm                  # the external reference: AdamW,
+    python -m benchmarks lm                  # the external reference: AdamW,
                                              # nanoGPT's small CPU config, seed 0
-    python -m benchmarks.lm --probe 100      # time 100 steps, print the
+    python -m benchmarks lm --probe 100      # time 100 steps, print the
                                              # projected wall time, then run
-    python -m benchmarks.lm --arms stiefel --seeds 100 --set max_iters=500 \\
+    python -m benchmarks lm --arms stiefel --seeds 100 --set max_iters=500 \\
         --set stiefel_learning_rate=0.03,0.1 --set max_step_norm=0.1
                                              # a sweep (max_iters sets
                                              # lr_decay_iters too)
-    python -m benchmarks.lm --arms adamw,stiefel --seeds 0-2 \\
+    python -m benchmarks lm --arms adamw,stiefel --seeds 0-2 \\
         --set stiefel_learning_rate=0.3 --set max_step_norm=0.3  # paired
-    python -m benchmarks.lm --quick          # toy size, 2 arms, well under 60 s
-    python -m benchmarks.lm --report-only --out benchmarks/results/lm \\
+    python -m benchmarks lm --quick          # toy size, 2 arms, well under 60 s
+    python -m benchmarks lm --report-only --out benchmarks/results/lm \\
         --results-md benchmarks/RESULTS.md   # the committed tables and section
-    python -m benchmarks.lm --study --out benchmarks/results/lm \\
+    python -m benchmarks lm --study --out benchmarks/results/lm \\
         --results-md benchmarks/RESULTS.md   # the whole study, one resumable
                                              # command (its estimate first)
-    python -m benchmarks.lm --study --dry-run --out benchmarks/results/lm
+    python -m benchmarks lm --study --dry-run --out benchmarks/results/lm
                                              # the study's time estimate only
-    python -m benchmarks.lm --study --quick  # the study's path at toy size
-    python -m benchmarks.lm --study --report-only --out benchmarks/results/lm
+    python -m benchmarks lm --study --quick  # the study's path at toy size
+    python -m benchmarks lm --study --report-only --out benchmarks/results/lm
                                              # the study's tables, from the runs
-    python -m benchmarks.lm --robustness --out benchmarks/results/lm_robustness \
+    python -m benchmarks lm --robustness --out benchmarks/results/lm_robustness \
         --results-md benchmarks/RESULTS.md   # the learning-rate sweep (issue
                                              # 30), then its claims; resumable
     XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
-        taskset -c 0 python -m benchmarks.lm --robustness --worker 0/2 \
+        taskset -c 0 python -m benchmarks lm --robustness --worker 0/2 \
         --out benchmarks/results/lm_robustness   # one of two single-threaded
                                              # workers (the other: -c 1, 1/2)
-    python -m benchmarks.lm --robustness --quick   # its path at toy size
-    python -m benchmarks.lm --robustness --sweep width64 --worker 0/2 \
+    python -m benchmarks lm --robustness --quick   # its path at toy size
+    python -m benchmarks lm --robustness --sweep width64 --worker 0/2 \
         --out benchmarks/results/lm_width/d64     # the sweep across widths
                                              # (issue 43; width_plan.md):
                                              # --sweep width64, width128
@@ -104,7 +104,7 @@ at nanoGPT's published settings, its own record (seeds 0-3), not the tuned
 adamw (if tuning lands on the same point the two share their runs). (2)
 Tuning on validation, every arm the same grid density: 3 half-decade points
 per hyperparameter (adamw, qk_norm and orthogonal_init: lr x weight decay;
-stiefel: Q/K lr x cap / Q/K lr; rsgd, stiefel_muon, muon: Q/K lr; the
+stiefel: Q/K lr x max_step_ratio; rsgd, stiefel_muon, muon: Q/K lr; the
 non-Q/K weights of these four on adamw's chosen lr and weight decay), tuning
 seeds 100-102, a point's score the mean over them of the whole-split
 validation loss, each grid widened geometrically past an edge its best point

@@ -179,7 +179,7 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
         else None)
   tx = training.arm_optimizer(
       arm, nanogpt_adamw(cfg), lr, frames(cfg), b1=cfg.beta1, b2=cfg.beta2,
-      cap=cfg.max_step_norm, weight_decay=cfg.weight_decay)
+      max_step_norm=cfg.max_step_norm, weight_decay=cfg.weight_decay)
   if arm.qk_clip:
     tx = optax.chain(tx, qk_clip(cfg.n_head))
   if cfg.arm in BOUND_ARMS:

@@ -7,7 +7,6 @@ of configurations and seeds (`--set learning_rate=1e-3,3e-3` sweeps a
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import pathlib
 import time
 from typing import Mapping, Optional
@@ -29,24 +28,22 @@ from benchmarks.reports import lm as report_lib
 
 def configs(opts: driver.Options) -> list:
   """Every Config the command asks for: preset, --set overrides (a comma
-  list sweeps), arms."""
+  list sweeps), arms. The sweep is a product grid of the study's planner
+  (`benchmarks.study.grid_points`, one axis per overridden key, its values
+  as given), each point applied by the driver's `override`; an arm's grid
+  leaves out the other arms' fields (`arms.other_fields`)."""
   base = PRESETS[opts.preset]
   arms = (opts.arms or ("adamw,stiefel" if opts.quick else "adamw")).split(",")
-  fields = {k: f for k, f in driver.settings(base).items() if k != "arm"}
-  sweeps = {}
-  for key, text in opts.overrides.items():
-    if key not in fields:
-      raise SystemExit(f"--set {key}: not a setting (known:"
-                       f" {', '.join(sorted(fields))}).")
-    sweeps[key] = [driver.value_of(fields[key], getattr(base, key), v)
-                   for v in text.split(",")]
+  driver.check_settings(opts.overrides,
+                        [k for k in driver.settings(base) if k != "arm"])
+  axes = [(key, text.split(",")) for key, text in opts.overrides.items()]
   out = []
   for arm in arms:
     others = other_fields(arm)
-    names = [k for k in sweeps if k not in others]
-    for vals in itertools.product(*(sweeps[k] for k in names)):
-      cfg = dataclasses.replace(base, arm=arm, **dict(zip(names, vals)))
-      if "max_iters" in names and "lr_decay_iters" not in sweeps:
+    for point in study_lib.grid_points(
+        [(k, v) for k, v in axes if k not in others]):
+      cfg = driver.override(dataclasses.replace(base, arm=arm), point)
+      if "max_iters" in point and "lr_decay_iters" not in opts.overrides:
         cfg = dataclasses.replace(cfg, lr_decay_iters=cfg.max_iters)
       check_config(cfg)
       if cfg not in out:
@@ -175,7 +172,7 @@ def run(opts: driver.Options) -> dict:
   check_study_args(opts)
   if opts.robustness:
     with training.toy_compiler(opts.quick):
-      return sweep_lib.main(robustness.BENCH, opts)
+      return sweep_lib.main(robustness.SWEEP_EXPERIMENT, opts)
   study = ("quick" if opts.quick else "full") if opts.study else None
   folder = "lm" if study is None else "lm_study" + "_quick" * opts.quick
   out = opts.out or (REFERENCE_DIR if opts.report_only and opts.results_md

@@ -8,7 +8,7 @@ itself (grid and extension, seed-major order, what is left, worker shares,
 the runner) is `benchmarks.sweep`'s; here its LM side: the sweep (`Sweep`,
 its presets `SWEEPS`), each point's configuration and run name, the
 claims' runs after the sweep, and what the sweep's command
-(`benchmarks.sweep.main`) is handed (`BENCH`): the runs' training
+(`benchmarks.sweep.main`) is handed (`SWEEP_EXPERIMENT`): the runs' training
 (`prepare`) and the report (`robustness_report`:
 `benchmarks.reports.robustness`).
 
@@ -518,6 +518,6 @@ def bound_lines(read: Mapping, out: pathlib.Path) -> list:
           + bound_lib.count_lines(counts) + [""])
 
 
-BENCH = sweep_lib.Bench(sweeps=SWEEPS, folder="lm_robustness",
-                        section=SECTION, names=names, prepare=prepare,
-                        report=robustness_report)
+SWEEP_EXPERIMENT = sweep_lib.SweepExperiment(
+    sweeps=SWEEPS, folder="lm_robustness", section=SECTION, names=names,
+    prepare=prepare, report=robustness_report)

@@ -73,10 +73,11 @@ def study_arms(grids: Sequence[tuple], main=("adamw", "stiefel")) -> tuple:
 # 0.03 is about Stiefel-Adam's 0.2); Muon's consistent-RMS lr reads as
 # AdamW's. Stiefel-Muon and Muon have nothing else to tune here (momentum
 # 0.95 with Nesterov, Muon's defaults, as every Muon arm).
-# Stiefel's cap is tuned relative to its lr (cap = ratio x lr): the step's
-# norm is lr ||m|| / sqrt(v) with ||m|| <= sqrt(v) nearly always, so a cap
-# at or above the lr does not bind (the CIFAR study's lr 0.1 runs at caps
-# 0.1, 0.3 and 1 were one run), and an absolute cap axis would spend a
+# Stiefel's trust-region radius is tuned relative to its lr (max_step_norm
+# = max_step_ratio x lr): the step's norm is lr ||m|| / sqrt(v) with ||m||
+# <= sqrt(v) nearly always, so a radius at or above the lr does not bind
+# (the CIFAR study's lr 0.1 runs at caps 0.1, 0.3 and 1 were one run), and
+# an absolute radius axis would spend a
 # third of the grid on copies of one point. Ratio 1 is the uncapped step.
 STUDY = Study(
     arms=study_arms((
@@ -117,7 +118,8 @@ STUDIES = {"full": STUDY, "quick": QUICK_STUDY}
 def point_config(base: Config, arm: str, hp: Mapping, iters: int) -> Config:
   """base for `arm` on a schedule of `iters` iterations (decayed to the
   end) with the hyperparameters hp; an AdamW lr brings its floor lr / 10,
-  a cap given relative to the Q/K lr (max_step_ratio) is that times it.
+  a max_step_norm given relative to the Q/K lr (max_step_ratio) is that
+  times it.
 
   >>> c = point_config(CPU, "stiefel", {"learning_rate": 3e-3,
   ...     "stiefel_learning_rate": 0.3, "max_step_ratio": 0.3}, 500)

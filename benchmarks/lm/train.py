@@ -93,7 +93,7 @@ def step_records(cfg: Config):
     return None
   return training.frame_step_records(
       frames(cfg), lr_schedule(cfg, cfg.stiefel_learning_rate),
-      cap=cfg.max_step_norm if cfg.arm == "stiefel" else None,
+      max_step_norm=cfg.max_step_norm if cfg.arm == "stiefel" else None,
       b1=cfg.beta1, b2=cfg.beta2, eps=ADAM_EPS)
 
 

@@ -1,11 +1,11 @@
 """What the Stiefel step costs: `stiefel_attention` against `optax.adamw`.
 
-    python -m benchmarks.speed              # full tables (about 5 min on 2
+    python -m benchmarks speed              # full tables (about 5 min on 2
                                             # CPU cores; 10-20 min where
                                             # OpenBLAS settings slow LAPACK)
-    python -m benchmarks.speed --quick      # tiny shapes: a smoke test
-    python -m benchmarks.speed --peer-only  # table 6 alone (geoopt)
-    python -m benchmarks.speed --report-only --out benchmarks/results
+    python -m benchmarks speed --quick      # tiny shapes: a smoke test
+    python -m benchmarks speed --peer-only  # table 6 alone (geoopt)
+    python -m benchmarks speed --report-only --out benchmarks/results
                                             # speed.md from speed.json
 
 The full run's time is mostly LAPACK: the SVD of 32 (4096, 128) frames may
@@ -109,7 +109,8 @@ workloads, what it times and the row it returns):
     layout.py        table 7: native layout against the frame view
     gram.py          table 8: the two forms of the Gram product
     cli.py           `run` (the tables of one run), speed.json and speed.md,
-                     the command line (`python -m benchmarks.speed`)
+                     the record the driver runs (`python -m benchmarks
+                     speed`)
 
 The markdown is rendered by the report layer, `benchmarks.reports.speed`;
 the machine record, output folders and atomic writes are

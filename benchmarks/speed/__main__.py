@@ -1,4 +1,5 @@
-"""`python -m benchmarks.speed`: see the package docstring and `cli.main`."""
+"""`python -m benchmarks.speed`: `python -m benchmarks speed` (see the package
+docstring, `cli.EXPERIMENT` and `benchmarks.driver`)."""
 
 from benchmarks.speed import cli
 

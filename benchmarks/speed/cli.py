@@ -1,5 +1,6 @@
-"""`python -m benchmarks.speed`: the tables of one run, their speed.json and
-speed.md, and the command line (see the package docstring)."""
+"""`python -m benchmarks speed`: the tables of one run, their speed.json and
+speed.md, and the record the driver runs (`EXPERIMENT`; see the package
+docstring and `benchmarks.driver`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from typing import Any, Dict, Optional, Sequence
 
 import benchmarks.speed
-from benchmarks import harness
+from benchmarks import driver, harness
 from benchmarks.reports import speed as report_lib
 from benchmarks.speed import (gram, layout, muon, peer, retraction, state,
                               train_step)
@@ -38,9 +39,9 @@ def command(quick: bool, peer_only: bool, peer_threads: Optional[int]
   """The command line a run records (its timing options only).
 
   >>> command(True, False, 2)
-  'python -m benchmarks.speed --quick --peer-threads 2'
+  'python -m benchmarks speed --quick --peer-threads 2'
   """
-  return ("python -m benchmarks.speed" + (" --quick" if quick else "")
+  return ("python -m benchmarks speed" + (" --quick" if quick else "")
           + (" --peer-only" if peer_only else "")
           + (f" --peer-threads {peer_threads}" if peer_threads else ""))
 
@@ -116,19 +117,10 @@ def write_report(out: Optional[str], res: Dict[str, Any]) -> str:
   return md
 
 
-def main(argv: Optional[Sequence[str]] = None):
-  """The command line (see the package docstring); `--retraction-child` is
-  the retraction table's child process."""
-  parser = argparse.ArgumentParser(
-      prog="python -m benchmarks.speed",
-      description=benchmarks.speed.__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny shapes (the update timed on one tree)"
-                      " and 3 timed calls: a smoke test")
-  parser.add_argument("--out", default=None,
-                      help="directory for speed.json / speed.md (default:"
-                      " runs/speed, runs/speed_peer with --peer-only, none"
-                      " with --quick)")
+def arguments(parser: argparse.ArgumentParser) -> None:
+  """The speed run's own options, beside the driver's --quick, --out and
+  --report-only; `--retraction-child` is the retraction table's child
+  process."""
   parser.add_argument("--iters", type=int, default=None,
                       help="timed calls per function, and rounds of the"
                       " peer comparison (default 11; 3 quick)")
@@ -144,32 +136,50 @@ def main(argv: Optional[Sequence[str]] = None):
   parser.add_argument("--peer-threads", type=int, default=None,
                       help="torch.set_num_threads of the peer (default: the"
                       " cores jax may use, os.sched_getaffinity)")
-  parser.add_argument("--report-only", action="store_true",
-                      help="no timing: speed.md again from the speed.json in"
-                      " --out (e.g. benchmarks/results)")
   parser.add_argument("--retraction-child", default=None,
                       help=argparse.SUPPRESS)
   parser.add_argument("--shapes", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  if args.retraction_child:
-    retraction.child_main(args.retraction_child, args.shapes, args.iters or 11)
-    return
+
+
+def run_command(opts: driver.Options) -> Optional[Dict[str, Any]]:
+  """What the parsed command asks: the retraction table's child, speed.md
+  again from a speed.json (--report-only), or a run."""
+  if opts.retraction_child:
+    retraction.child_main(opts.retraction_child, opts.shapes, opts.iters or 11)
+    return None
   # A peer-only run has its own default folder, so that it does not replace
   # a full run's speed.json with one table.
-  default = (None if args.quick else
-             DEFAULT_PEER_OUT if args.peer_only else DEFAULT_OUT)
-  out = args.out if args.out is not None else default
-  if args.report_only:
+  default = (None if opts.quick else
+             DEFAULT_PEER_OUT if opts.peer_only else DEFAULT_OUT)
+  out = str(opts.out) if opts.out is not None else default
+  if opts.report_only:
     if not out:
-      parser.error("--report-only reads <--out>/speed.json: name --out.")
+      opts.error("--report-only reads <--out>/speed.json: name --out.")
     path = pathlib.Path(out) / "speed.json"
     if not path.is_file():
-      parser.error(f"--report-only: no {path}; run the benchmark first.")
+      opts.error(f"--report-only: no {path}; run the benchmark first.")
     print(write_report(out, json.loads(path.read_text())))
-    return
-  res = run(args.quick, out, args.iters, args.timeout, args.peer_python,
-            args.peer_only, args.peer_threads)
+    return None
+  res = run(opts.quick, out, opts.iters, opts.timeout, opts.peer_python,
+            opts.peer_only, opts.peer_threads)
   print(res["markdown"])
   if out:
     print(f"wrote {os.path.join(out, 'speed.json')} and speed.md")
+  return res
 
+
+EXPERIMENT = driver.Experiment(
+    name="speed", summary=benchmarks.speed.__doc__.split("\n")[0],
+    presets={}, default="full", run=run_command,
+    quick="tiny shapes (the update timed on one tree) and 3 timed calls: a"
+          " smoke test",
+    common=("quick", "out", "report_only"), arguments=arguments,
+    help={"out": "directory for speed.json / speed.md (default: runs/speed,"
+                 " runs/speed_peer with --peer-only, none with --quick)",
+          "report_only": "no timing: speed.md again from the speed.json in"
+                         " --out (e.g. benchmarks/results)"})
+
+
+def main(argv: Optional[Sequence[str]] = None):
+  """`python -m benchmarks.speed [options]`: `python -m benchmarks speed`."""
+  return driver.run(EXPERIMENT, argv)

@@ -3,7 +3,7 @@ thin SVD on a batch of d / r heads of (d, r) frames: time, and the isometry
 error after a tangent step of norm 0.1 and 1.
 
 Newton–Schulz runs in this process; eigh and SVD in a child process
-(`python -m benchmarks.speed --retraction-child METHODS`) with a timeout,
+(`python -m benchmarks speed --retraction-child METHODS`) with a timeout,
 since jaxlib's batched LAPACK calls can hang on some small CPU machines.
 """
 
@@ -24,17 +24,19 @@ from benchmarks import harness
 from benchmarks.speed import peer_geoopt, timing
 
 RETRACTION_SHAPES = ((64, 16), (768, 64), (4096, 128))
-DELTAS = (0.1, 1.0)
+# The trust-region radii (max_step_norm) timed and measured; a row records
+# them as iso_err_delta_<radius> and ns_steps_delta_<radius>.
+MAX_STEP_NORMS = (0.1, 1.0)
 ROW = "ROW "          # the child's line prefix of a finished row (JSON)
 
 
-def tangent_step(w, delta, seed):
-  """A tangent step at w of Frobenius norm delta per frame (NumPy)."""
+def tangent_step(w, norm, seed):
+  """A tangent step at w of Frobenius norm `norm` per frame (NumPy)."""
   w = np.asarray(w, np.float64)
   g = np.random.default_rng(seed).standard_normal(w.shape)
   wtg = np.swapaxes(w, -1, -2) @ g
   xi = g - w @ (0.5 * (wtg + np.swapaxes(wtg, -1, -2)))
-  xi *= delta / np.linalg.norm(xi, axis=(-2, -1), keepdims=True)
+  xi *= norm / np.linalg.norm(xi, axis=(-2, -1), keepdims=True)
   return jnp.asarray(xi, jnp.float32)
 
 
@@ -44,14 +46,15 @@ def svd_polar(a):
   return u @ vt
 
 
-def retraction_fn(method: str, delta: float):
-  """polar(W + xi) by `method`; Newton–Schulz sized for steps <= delta."""
+def retraction_fn(method: str, max_step_norm: float):
+  """polar(W + xi) by `method`; Newton–Schulz sized for steps <=
+  max_step_norm."""
   if method == "svd":
     return jax.jit(lambda w, xi: svd_polar(w + xi))
   if method == "eigh":
     return jax.jit(lambda w, xi: so.retract(w, xi, "eigh"))
   return jax.jit(lambda w, xi: so.retract(w, xi, "newton_schulz",
-                                          max_step_norm=delta))
+                                          max_step_norm=max_step_norm))
 
 
 def retraction_rows(method: str, shapes, iters: int, emit=None):
@@ -61,23 +64,24 @@ def retraction_rows(method: str, shapes, iters: int, emit=None):
 
 
 def method_rows(method: str, shapes, iters: int, emit=None):
-  """Time (delta = 0.1) and isometry errors (delta = 0.1 and 1) of one
-  retraction method on each (d, r) with d // r heads; `emit(row)` is called
-  after each shape (the child process prints it at once)."""
+  """Time (max_step_norm 0.1) and isometry errors (max_step_norm 0.1 and
+  1, each of a tangent step of that norm) of one retraction method on each
+  (d, r) with d // r heads; `emit(row)` is called after each shape (the
+  child process prints it at once)."""
   rows = []
   for d, r in shapes:
     heads = d // r
     w = jnp.asarray(peer_geoopt.haar_frames(np.random.default_rng(d),
                                             (heads, d, r)))
     row = {"method": method, "d": d, "r": r, "heads": heads}
-    for delta in DELTAS:
-      fn = retraction_fn(method, delta)
-      xi = tangent_step(w, delta, seed=r)
+    for radius in MAX_STEP_NORMS:
+      fn = retraction_fn(method, radius)
+      xi = tangent_step(w, radius, seed=r)
       out = jax.block_until_ready(fn(w, xi))
-      row[f"iso_err_delta_{delta:g}"] = peer_geoopt.isometry_error_f64([out])
+      row[f"iso_err_delta_{radius:g}"] = peer_geoopt.isometry_error_f64([out])
       if method == "newton_schulz":
-        row[f"ns_steps_delta_{delta:g}"] = so.newton_schulz_steps(delta)
-      if delta == DELTAS[0]:
+        row[f"ns_steps_delta_{radius:g}"] = so.newton_schulz_steps(radius)
+      if radius == MAX_STEP_NORMS[0]:
         n = max(3, iters // (1 + d // 1024))
         row["ms"] = 1e3 * timing.median_times(
             {"f": timing.call(fn, w, xi)}, n)["f"]
@@ -91,7 +95,7 @@ def child_retraction(method: str, shapes, iters: int, timeout: float,
                      env: Optional[dict] = None):
   """Runs `retraction_rows` for method in a child process; shapes not done
   within `timeout` seconds are reported as status 'timeout (hang?)'."""
-  cmd = [sys.executable, "-m", "benchmarks.speed", "--retraction-child",
+  cmd = [sys.executable, "-m", "benchmarks", "speed", "--retraction-child",
          method, "--iters", str(iters), "--shapes",
          ",".join(f"{d}x{r}" for d, r in shapes)]    # read by `child_main`
   proc = subprocess.Popen(cmd, cwd=harness.REPO, stdout=subprocess.PIPE,

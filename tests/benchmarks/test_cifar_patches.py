@@ -156,7 +156,7 @@ def test_recipes_keep_frames_orthonormal(name):
   arm = cp.ARMS[name]
   hp = {"lr": 0.05, "cap": 0.1}
   kw = dict(arm.fixed)
-  kw.update(cap=hp["cap"])
+  kw.update(max_step_norm=hp["cap"])
   tx = arm.qk(hp["lr"], weight_decay=0.1, **kw)
   w = jnp.asarray(np_frames(1, (3, 12, 4), np.float32))
   state = tx.init(w)
@@ -181,8 +181,9 @@ def test_an_arm_brings_the_arms_it_builds_on(tmp_path):
     deps(["sgd"])
   # they join for their choice only: tuned, not paired
   cfg = cp.PRESETS["quick"]
-  bench = cp.Bench(cifar_data.synthetic(448, cfg.val_size), cfg, tmp_path)
-  st = bench.study([384], (0,), (0,), ["no_cap"])
+  study_runs = cp.StudyRuns(cifar_data.synthetic(448, cfg.val_size), cfg,
+                            tmp_path)
+  st = study_runs.study([384], (0,), (0,), ["no_cap"])
   assert [(a.name, a.paired) for a in st.arms] == [
       ("adamw", False), ("stiefel", False), ("no_cap", True)]
 
@@ -205,23 +206,23 @@ def test_competitor_arms_train(tmp_path):
   inherit = {"adamw": {"lr": 3e-3, "weight_decay": 0.05},
              "muon": {"lr": 3e-3},
              "qk_norm": {"lr": 1e-2, "weight_decay": 0.01}}
-  bench = cp.Bench(data, cfg, tmp_path, inherit=inherit)
-  study, runs = bench.study(), bench.finished()
-  recs = {a: bench.execute(study_lib.paired_task(study, runs, a, 0, 384))
+  study_runs = cp.StudyRuns(data, cfg, tmp_path, inherit=inherit)
+  study, runs = study_runs.study(), study_runs.finished()
+  recs = {a: study_runs.execute(study_lib.paired_task(study, runs, a, 0, 384))
           for a in inherit if a != "adamw"}
   assert all(np.isfinite(r["test_acc"]) for r in recs.values())
   assert recs["muon"]["base"] == inherit["adamw"]
   assert recs["muon"]["hp"] == inherit["muon"]
   assert recs["qk_norm"]["base"] == inherit["qk_norm"]
   assert recs["muon"]["qk_movement"] > 0 and recs["qk_norm"]["qk_movement"] > 0
-  params = cp.init_params(bench.trainer.model_of(cp.ARMS["qk_norm"]), cp.ARMS["qk_norm"], 0)
+  params = cp.init_params(study_runs.trainer.model_of(cp.ARMS["qk_norm"]), cp.ARMS["qk_norm"], 0)
   assert "query_ln" in params["block_0"]["attn"] and "key_ln" in params["block_0"]["attn"]
-  start = cp.init_params(bench.trainer.model, cp.ARMS["orthogonal_init"], 0)
+  start = cp.init_params(study_runs.trainer.model, cp.ARMS["orthogonal_init"], 0)
   assert float(so.max_isometry_error(start, "flax")) < 1e-5
-  plain = cp.init_params(bench.trainer.model, cp.ARMS["muon"], 0)
+  plain = cp.init_params(study_runs.trainer.model, cp.ARMS["muon"], 0)
   assert float(so.max_isometry_error(plain, "flax")) > 0.1
   assert float(so.max_isometry_error(cp.init_params(
-      bench.trainer.model, cp.ARMS["stiefel_muon"], 0), "flax")) < 1e-5
+      study_runs.trainer.model, cp.ARMS["stiefel_muon"], 0), "flax")) < 1e-5
 
 
 def test_per_coordinate_ablation_is_not_scale_free():
@@ -233,7 +234,7 @@ def test_per_coordinate_ablation_is_not_scale_free():
   scale[..., 0] = 100.0   # one column's gradient larger, in each frame
 
   def step(recipe, grad):
-    tx = recipe(0.05, weight_decay=0.0, cap=1.0)
+    tx = recipe(0.05, weight_decay=0.0, max_step_norm=1.0)
     u, _ = tx.update(grad, tx.init(w), w)
     return u
 

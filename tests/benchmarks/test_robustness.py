@@ -112,7 +112,7 @@ def test_a_sweep_of_another_width_is_its_own_runs():
   from benchmarks import driver
   parse = lambda *a: driver.parse(lm.experiment.EXPERIMENT, ["--robustness",
                                                              *a])
-  wide = sweep_lib.configure(robustness.BENCH, parse(
+  wide = sweep_lib.configure(robustness.SWEEP_EXPERIMENT, parse(
       "--arms", "adamw,stiefel,stiefel_muon,qk_norm", "--set", "n_embd=256",
       "--set", "n_head=8"))
   assert wide.arms == ("adamw", "stiefel", "stiefel_muon", "qk_norm")
@@ -125,7 +125,7 @@ def test_a_sweep_of_another_width_is_its_own_runs():
           != robustness.task_name(robustness.SWEEP, task, "d"))
   for bad in (["--arms", "stiefel,adamw"], ["--set", "width=3"]):
     with pytest.raises(SystemExit, match="reference adamw|not a setting"):
-      sweep_lib.configure(robustness.BENCH, parse(*bad))
+      sweep_lib.configure(robustness.SWEEP_EXPERIMENT, parse(*bad))
 
 
 def test_grid_extends_while_adamw_finishes_its_top_point():
@@ -341,9 +341,10 @@ def test_width_sweeps_as_the_width_plan_fixes_them():
                                                              *a])
   arms = ("adamw", "stiefel", "stiefel_muon", "qk_norm")
   data = "tinyshakespeare:md5=6fb458f1232090904fb40fe944165e91"
-  by_set = sweep_lib.configure(robustness.BENCH, parse(
+  by_set = sweep_lib.configure(robustness.SWEEP_EXPERIMENT, parse(
       "--arms", ",".join(arms), "--set", "n_embd=64", "--set", "n_head=2"))
-  w64 = sweep_lib.configure(robustness.BENCH, parse("--sweep", "width64"))
+  w64 = sweep_lib.configure(robustness.SWEEP_EXPERIMENT,
+                            parse("--sweep", "width64"))
   assert (w64.arms, w64.grid, w64.extension, w64.seeds, w64.claims) == (
       arms, robustness.SWEEP.grid, (3.0, 10.0), (100, 101, 102), ())
   planned = sweep_lib.tasks(w64, {}, robustness.names(w64, data))
@@ -369,10 +370,11 @@ def test_width_sweeps_as_the_width_plan_fixes_them():
   assert w256.claim_seeds == {"discovery": (0, 1, 2, 3),
                               "confirmation": (500, 501, 502, 503, 504)}
   with pytest.raises(SystemExit, match="--sweep: one of"):
-    sweep_lib.configure(robustness.BENCH, parse("--sweep", "width512"))
+    sweep_lib.configure(robustness.SWEEP_EXPERIMENT,
+                        parse("--sweep", "width512"))
   with pytest.raises(SystemExit, match="give one of them"):
-    sweep_lib.configure(robustness.BENCH, parse("--quick", "--sweep",
-                                                "width64"))
+    sweep_lib.configure(robustness.SWEEP_EXPERIMENT,
+                        parse("--quick", "--sweep", "width64"))
 
 
 def test_width256_opens_its_downward_point_once_and_orders_its_claims():

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.speed --quick` runs and reports every table.
+"""`python -m benchmarks speed --quick` runs and reports every table.
 
 Speed targets are checked by the benchmark's medians and ratios, never by
 timed assertions here: this test checks that the script works and that what
@@ -23,7 +23,8 @@ def quick(tmp_path_factory, worker_id):
   def make():
     out = tmp_path_factory.mktemp("speed")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.speed", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks", "speed", "--quick", "--out",
+         str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "speed.json") as f:
@@ -209,7 +210,7 @@ needs_peer = pytest.mark.skipif(
 def _peer_only(tmp_path, capsys, *args):
   """`--peer-only --quick` through the command line's `main` in this
   process (a child process would spend seconds importing jax again; the
-  fixture above runs `python -m benchmarks.speed` itself): its JSON, its
+  fixture above runs `python -m benchmarks speed` itself): its JSON, its
   markdown and what it printed (`.out`, `.err`)."""
   from benchmarks.speed import cli  # pylint: disable=g-import-not-at-top
   cli.main(["--peer-only", "--quick", "--out", str(tmp_path), *args])
