@@ -526,6 +526,17 @@ def pyplot():
   return plt
 
 
+def label_axes(ax, xlabel: str, ylabel: str, title: str,
+               legend_size: int = 8) -> None:
+  """The benchmarks' panel style: labels, title, a light grid, a small
+  legend."""
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=legend_size)
+
+
 def save_figure(fig, path: os.PathLike, dpi: int) -> None:
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)

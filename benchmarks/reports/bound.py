@@ -116,9 +116,7 @@ def plot_logits(rows: Mapping, arms: Sequence[str], bounds: Mapping,
                      label=f"{arm}: certified bound")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("eta")
-    ax.set_ylabel("largest |q.k|/sqrt(hd) (tuning seeds, layers, steps)")
-    ax.set_title(f"d {d}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    harness.label_axes(
+        ax, "eta", "largest |q.k|/sqrt(hd) (tuning seeds, layers, steps)",
+        f"d {d}", legend_size=7)
   harness.save_figure(fig, path, dpi=110)

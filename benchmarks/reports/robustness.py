@@ -448,11 +448,9 @@ def plot_logits(rows: Sequence[Mapping], arms: Sequence[str],
       _, steps, vals = runs[0]           # the first tuning seed
       ax.plot(steps, [np.nan if v is None else v for v in vals], label=arm)
     ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("max |q.k|/sqrt(hd) over layers (first seed)")
-    ax.set_title(f"eta = {fmt_eta(eta)}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    harness.label_axes(ax, "step",
+                       "max |q.k|/sqrt(hd) over layers (first seed)",
+                       f"eta = {fmt_eta(eta)}")
   harness.save_figure(fig, path, dpi=110)
 
 
