@@ -16,6 +16,7 @@ method fixture (`helpers.TestCase`, see tests/test_transforms.py); the
 from __future__ import annotations
 
 import collections
+import os
 
 import jax
 import pytest
@@ -96,3 +97,68 @@ def linen_params():
   x, _ = helpers.block_data()
   return jax.jit(lambda k: so.orthonormalize(
       helpers.LinenBlock().init(k, x)["params"]))(jax.random.key(1))
+
+
+# --------------------------------------------------------------------------
+# Order: the costliest modules first.
+#
+# pytest-xdist's worksteal gives each worker a contiguous half of the
+# collection and, when one runs dry, moves half of the other's queue from
+# its tail. The wall time is then the larger half unless the last tests are
+# short: a 60-second test near the end (the alphabetical place of
+# test_multiprocess.py, test_sharding.py) runs alone while the other worker
+# idles. So the modules below, the slowest in a `--durations=60` run of the
+# whole suite (2026-12-07, 2 cores; seconds of setup + call of the module's
+# listed tests, under load, used only to rank), run first, costliest first;
+# the rest keep their place after them and the doctests of stiefel_optax/
+# stay last. A module moves whole, its tests in their order: a module split
+# apart would set its module fixtures up twice, and a once-per-session
+# child (`helpers.once_per_session`) read by tests on both workers would
+# keep one worker waiting on the other's lock. The order changes no test:
+# each is independent of what ran before it (pytest-xdist already runs them
+# in any split); `-k` and node-id selections reorder only what they select.
+MODULE_COST_S = {
+    "tests/test_readme_snippets.py": 170,   # docs/families.md's blocks
+    "tests/benchmarks/test_speed.py": 120,  # `--quick` child + peer CLI runs
+    "tests/benchmarks/test_robustness.py": 95,
+    "tests/benchmarks/test_lm.py": 85,
+    "tests/families/test_penzai.py": 75,
+    "tests/test_multiprocess.py": 67,       # 2 processes at once
+    "tests/families/test_sharded_recipes.py": 64,
+    "tests/families/test_haliax.py": 60,
+    "tests/test_sharding.py": 59,
+    "tests/test_training_patterns.py": 58,
+    "tests/test_attention.py": 50,
+    "tests/test_docs.py": 41,               # the Sphinx build
+    "tests/test_specs.py": 39,
+    "tests/test_sharded_step.py": 37,
+    "tests/test_explicit_mesh.py": 35,
+    "tests/families/test_equinox.py": 33,
+    "tests/test_checkpoint.py": 31,
+    "tests/test_notebooks.py": 30,
+    "tests/families/test_layouts.py": 28,
+    "tests/test_partition.py": 25,
+    "tests/families/test_flax.py": 24,
+    "tests/test_muon.py": 15,
+    "tests/benchmarks/test_cifar_patches.py": 14,
+    "tests/test_propositions.py": 12,
+    "tests/test_bound.py": 12,
+    "tests/test_diagnostics.py": 11,
+    "stiefel_optax/attention.py": 11,       # doctests
+    "tests/benchmarks/test_models.py": 10,
+    "tests/test_reliability.py": 10,
+    "stiefel_optax/transforms.py": 9,       # doctests
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  """The costliest modules (`MODULE_COST_S`) first, each whole; a stable
+  sort, so every other item keeps its order (deterministic: every
+  pytest-xdist worker must collect the same order)."""
+  root = str(config.rootpath)
+
+  def module(item):
+    path = os.path.relpath(str(item.path), root).replace(os.sep, "/")
+    return MODULE_COST_S.get(path, 0)
+
+  items[:] = sorted(items, key=lambda item: -module(item))
