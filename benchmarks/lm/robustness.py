@@ -235,6 +235,25 @@ def remaining(sweep: Sweep, done: Mapping, data_id: str) -> list:
       claim_tasks(sweep, claim_plan(sweep, done, data_id)), done, name)
 
 
+def startable(sweep: Sweep, done: Mapping, data_id: str) -> list:
+  """The runs a worker may start now (the workers' plan): the sweep's
+  unfinished runs; once it is complete, those of the claims' first stage
+  (`claim_stages`) with any unfinished. A stage starts only when every run
+  of the stages before it has finished, so that with several workers too
+  every row is run on the discovery seeds before any confirmation seed: a
+  worker done with its share of a stage takes the others' unstarted runs
+  of it, then waits (`sweep.run`). `remaining` lists them all."""
+  name = names(sweep, data_id)
+  left = sweep_lib.remaining(sweep, done, name)
+  stages = [] if left else claim_stages(
+      sweep, claim_plan(sweep, done, data_id))
+  for stage in stages:
+    left = sweep_lib.unfinished(stage, done, name)
+    if left:
+      break
+  return left
+
+
 def eta_high(curve: Mapping) -> float:
   """The plan's high rate, from AdamW's curve ({eta: point}): two grid
   points (a decade) above its best, capped at the highest point where it
@@ -284,38 +303,48 @@ def claim_tables(sweep: Sweep) -> list:
           for c in sweep.claims]
 
 
-def claim_tasks(sweep: Sweep, plan: Mapping) -> list:
-  """The claims' runs, (arm, eta, seed): per stage, every discovery seed
-  before any confirmation seed, the tables in turn (per seed, the table's
-  arms in the sweep's order at their rates; a run two tables share once),
-  then the trend's terms (arm, eta, seed, trend): every arm of that sweep
-  at its eta_high; a table marked `last` after both stages of the others.
-  While the trend's sweep is not complete, no confirmation seed is planned
-  (every row of every table is run on discovery seeds first)."""
-  out = []
+def claim_stages(sweep: Sweep, plan: Mapping) -> list:
+  """The claims' runs, (arm, eta, seed), as the stages they run in, each a
+  list: every discovery seed before any confirmation seed, the tables in
+  turn (per seed, the table's arms in the sweep's order at their rates; a
+  run two tables share once), then the trend's terms (arm, eta, seed,
+  trend): every arm of that sweep at its eta_high; a table marked `last`
+  after both stages of the others. While the trend's sweep is not
+  complete, no confirmation seed is planned (every row of every table is
+  run on discovery seeds first)."""
+  seen, stages = set(), []
 
-  def add(tables, stage):
+  def add(tables, stage) -> list:
+    out = []
     for table in tables:
       used = [(a, r) for row in table.rows for a, r in row]
       for seed in sweep.claim_seeds[stage]:
         for arm in sweep.arms:
           for a, r in dict.fromkeys(used):
             t = (arm, report_lib.rate_eta(plan, arm, r), seed)
-            if a == arm and t not in out:
+            if a == arm and t not in seen:
+              seen.add(t)
               out.append(t)
+    return out
 
   tables = claim_tables(sweep)
   for stage in ("discovery", "confirmation"):
-    add([t for t in tables if not t.last], stage)
+    runs = add([t for t in tables if not t.last], stage)
     if sweep.trend:
       if plan["trend"] is None:
-        return out
-      out += [(arm, plan["trend"], seed, sweep.trend)
-              for seed in sweep.claim_seeds[stage]
-              for arm in SWEEPS[sweep.trend].arms]
-  for stage in ("discovery", "confirmation"):
-    add([t for t in tables if t.last], stage)
-  return out
+        return stages + [runs]
+      runs += [(arm, plan["trend"], seed, sweep.trend)
+               for seed in sweep.claim_seeds[stage]
+               for arm in SWEEPS[sweep.trend].arms]
+    stages.append(runs)
+  return stages + [add([t for t in tables if t.last], stage)
+                   for stage in ("discovery", "confirmation")]
+
+
+def claim_tasks(sweep: Sweep, plan: Mapping) -> list:
+  """The claims' runs in their order: the stages of `claim_stages`, one
+  after the other."""
+  return [t for stage in claim_stages(sweep, plan) for t in stage]
 
 
 def claim_runs(sweep: Sweep, done: Mapping, data_id: str) -> dict:
@@ -363,7 +392,7 @@ def prepare(sweep: Sweep, out: pathlib.Path, opts) -> tuple:
             + sweep_lib.stopped_text(rec))
 
   return corpus.data_id, execute, dict(
-      plan=lambda done: remaining(sweep, done, corpus.data_id),
+      plan=lambda done: startable(sweep, done, corpus.data_id),
       describe=describe, desc="lm robustness",
       expected_s=lambda t: run_seconds(task_config(sweep, t), rates))
 

@@ -626,7 +626,8 @@ def test_bound256_claims_plan_the_box_rows_and_reuse_the_width_claims():
   3e-2, 100x = 0.1); on the discovery seeds only the runs the width study
   did not make are planned (the box at 3e-3, 1e-2 and 3e-2, qk_norm and
   stiefel at 3e-2), every discovery run before any confirmation run, and
-  table (d) (0.1) after both blocks of (a) and (b)."""
+  table (d) (0.1) after both blocks of (a) and (b); the workers start a
+  stage only once the one before has finished (`startable`)."""
   s, data = robustness.SWEEPS["bound256"], (
       "tinyshakespeare:md5=6fb458f1232090904fb40fe944165e91")
   name = robustness.names(s, data)
@@ -654,6 +655,16 @@ def test_bound256_claims_plan_the_box_rows_and_reuse_the_width_claims():
   assert last.index(True) == len(left) - 18 and all(last[-18:])
   assert stage[:-18] == sorted(stage[:-18]) and not any(stage[:16])
   assert len(left) == 5 * 9 + 2 * 9
+  # The workers' plan: one stage at a time, the next only once every run
+  # of the one before has finished (not merely started by another worker).
+  discovery = [t for t in left[:-18] if t[2] < 500]
+  assert robustness.startable(s, done, data) == discovery
+  for t in discovery[:-1]:
+    done[name(t)] = rec(1.7)
+  assert robustness.startable(s, done, data) == discovery[-1:]
+  done[name(discovery[-1])] = rec(1.7)
+  assert robustness.startable(s, done, data) == left[len(discovery):-18]
+  assert robustness.remaining(s, done, data) == left[len(discovery):]
 
 
 def test_claims_tables_of_the_box_key_their_rows_by_rate():
