@@ -273,6 +273,7 @@ class Claims:
 def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
         describe: Callable, expected_s: Callable, desc: str,
         plan: Optional[Callable[[Mapping], list]] = None,
+        total: Optional[Callable[[Mapping], list]] = None,
         worker: Optional[str] = None, time_budget: float = 0.0, log=print,
         dry_run: bool = False, poll_s: float = 30.0) -> int:
   """Runs the unfinished runs of plan(done) (default: `remaining`) in plan
@@ -287,18 +288,19 @@ def run(sweep: Sweep, out: pathlib.Path, name: Names, execute: Callable, *,
   the claims). Stops before a run expected (expected_s(task): seconds or
   None) to end past time_budget seconds. Returns the number of runs
   trained (dry_run: logs how many of its share are left and their
-  expected time, trains none)."""
+  expected time, trains none; total(done), default plan, lists every run
+  still planned where plan offers only those that may start now)."""
   store, mine = harness.RunStore(out), worker_share(worker)
   plan = plan or (lambda done: remaining(sweep, done, name))
   done: dict = {}     # read from `out` by every left()
 
-  def planned() -> list:
+  def planned(which: Optional[Callable] = None) -> list:
     done.update(harness.finished_runs(reused(sweep) + store.records(),
                                       current_version=True))
-    return plan(done)
+    return (which or plan)(done)
 
   if dry_run:
-    todo = [t for t in planned() if mine(name(t))]
+    todo = [t for t in planned(total) if mine(name(t))]
     known = [s for s in map(expected_s, todo) if s is not None]
     log(f"{len(todo)} runs planned left"
         + (" (the grid may still extend)" if sweep.extension else "")
@@ -389,8 +391,8 @@ class SweepExperiment:
   `_<name>` added for a sweep other than `full`), its RESULTS.md heading,
   names(sweep, data_id) -> `Names`, prepare(sweep, out, opts) -> (data_id,
   execute, the other keyword arguments of `run`: describe, expected_s,
-  desc, plan), and report(sweep, name, out, data_id, results_md) -> dict
-  with its RESULTS.md section (and its `heading` where it is not the
+  desc, plan, total), and report(sweep, name, out, data_id, results_md)
+  -> dict with its RESULTS.md section (and its `heading` where it is not the
   experiment's; data_id None: the one the runs record)."""
   sweeps: Mapping
   folder: str

@@ -245,13 +245,13 @@ def startable(sweep: Sweep, done: Mapping, data_id: str) -> list:
   of it, then waits (`sweep.run`). `remaining` lists them all."""
   name = names(sweep, data_id)
   left = sweep_lib.remaining(sweep, done, name)
-  stages = [] if left else claim_stages(
-      sweep, claim_plan(sweep, done, data_id))
-  for stage in stages:
+  if left:
+    return left
+  for stage in claim_stages(sweep, claim_plan(sweep, done, data_id)):
     left = sweep_lib.unfinished(stage, done, name)
     if left:
-      break
-  return left
+      return left
+  return []
 
 
 def eta_high(curve: Mapping) -> float:
@@ -393,6 +393,7 @@ def prepare(sweep: Sweep, out: pathlib.Path, opts) -> tuple:
 
   return corpus.data_id, execute, dict(
       plan=lambda done: startable(sweep, done, corpus.data_id),
+      total=lambda done: remaining(sweep, done, corpus.data_id),
       describe=describe, desc="lm robustness",
       expected_s=lambda t: run_seconds(task_config(sweep, t), rates))
 

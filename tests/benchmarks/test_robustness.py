@@ -306,6 +306,28 @@ def test_a_worker_done_with_its_share_takes_the_others_unstarted_runs(
       f"{name(busy)}.claim"}
 
 
+def test_dry_run_counts_every_planned_run_not_only_those_startable_now(
+    tmp_path):
+  """sweep.run's --dry-run counts total(done), every run still planned,
+  where plan(done) offers only those that may start now (a stage); without
+  total it counts plan's."""
+  from benchmarks import sweep as sweep_lib
+  s = sweep_lib.Sweep(arms=("adamw",), grid=(1e-3, 1e-2, 0.1), extension=(),
+                      ratios={}, seeds=(100, 101))
+  name = lambda t: f"{t[0]}_{t[1]:g}_{t[2]}"
+  every = sweep_lib.tasks(s, {}, name)
+  logged = []
+
+  def dry(**kwargs):
+    sweep_lib.run(s, tmp_path, name, lambda t: {}, describe=None,
+                  expected_s=lambda t: None, desc="x", dry_run=True,
+                  log=logged.append, plan=lambda done: every[:2], **kwargs)
+    return logged.pop().split(" runs planned left")[0]
+
+  assert dry(total=lambda done: every) == str(len(every)) == "6"
+  assert dry() == "2"
+
+
 @pytest.mark.parametrize("bench", ["lm", "cifar_patches"])
 @pytest.mark.parametrize("bump", [False, True])
 def test_committed_sweep_reports_regenerate_without_the_data(bench, bump,
