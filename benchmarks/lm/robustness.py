@@ -54,7 +54,10 @@ class Sweep(sweep_lib.Sweep):
   own eta_high, on the claims' seeds, are run here after this sweep's
   claims of each stage: the other width's terms of the trend claim), and
   the plan and heading its report names; `bootstrap`: the claims tables
-  carry a percentile bootstrap interval beside the t-interval."""
+  carry a percentile bootstrap interval beside the t-interval;
+  `last_after` (a sweep's name in SWEEPS and its folder under
+  benchmarks/results): the tables marked `last` start only once that
+  sweep is complete (the plan's order, kept by the workers too)."""
   cap_ratio: float
   base: Config
   claim_seeds: Mapping = dataclasses.field(default_factory=lambda: {
@@ -65,6 +68,7 @@ class Sweep(sweep_lib.Sweep):
   plan: str = "benchmarks/results/lm/robustness_plan.md"
   heading: str = SECTION
   bootstrap: bool = False
+  last_after: Optional[tuple] = None
 
 
 # The study's choices against adamw's lr 1e-2 (results/lm/results.json
@@ -154,6 +158,7 @@ SWEEPS["bound_pilot"] = BOUND_PILOT
 # at d 128 the pilot's box runs too). Each writes its own folder.
 BOUND_STUDY_PLAN = "benchmarks/results/lm_bound/study_plan.md"
 BOUND_STUDY_ARMS = WIDTH_ARMS + ("stiefel_box",)
+BOUND_FOLDERS = {128: "lm_bound/d128", 256: "lm_bound/d256"}
 
 
 def bound_study(d: int, **changes) -> Sweep:
@@ -188,7 +193,8 @@ BOUND_CLAIMS = (
         (((BOX, "high+2"), ("qk_norm", "high+2")),), last=True))
 SWEEPS["bound128"] = bound_study(128, reuse=("lm_robustness", "lm_bound"))
 SWEEPS["bound256"] = bound_study(256, reuse=(WIDTH_FOLDERS[256],),
-                                 claims=BOUND_CLAIMS)
+                                 claims=BOUND_CLAIMS,
+                                 last_after=("bound128", BOUND_FOLDERS[128]))
 
 
 def sweep_config(sweep: Sweep, arm: str, eta: float) -> Config:
@@ -247,11 +253,26 @@ def startable(sweep: Sweep, done: Mapping, data_id: str) -> list:
   left = sweep_lib.remaining(sweep, done, name)
   if left:
     return left
-  for stage in claim_stages(sweep, claim_plan(sweep, done, data_id)):
+  stages = claim_stages(sweep, claim_plan(sweep, done, data_id))
+  if sweep.last_after and not complete(*sweep.last_after, data_id):
+    stages = stages[:len(stages) - 2 * any(
+        t.last for t in claim_tables(sweep))]
+  for stage in stages:
     left = sweep_lib.unfinished(stage, done, name)
     if left:
       return left
   return []
+
+
+def complete(sweep_name: str, folder: str, data_id: str) -> bool:
+  """Whether SWEEPS[sweep_name] has no run left (claims included) on the
+  finished runs of its folder under benchmarks/results and of its
+  `reuse` folders, under this numerics version."""
+  other = SWEEPS[sweep_name]
+  done = harness.finished_runs(
+      sweep_lib.reused(other) + harness.RunStore(
+          harness.REFERENCE_ROOT / folder).records(), current_version=True)
+  return not remaining(other, done, data_id)
 
 
 def eta_high(curve: Mapping) -> float:
@@ -457,8 +478,8 @@ WIDTH_STUDY = WidthStudy(
 BOUND_STUDY = WidthStudy(
     BOUND_STUDY_PLAN, "## The closed logit bound across width (language"
     " model)", "lm_bound",
-    {64: ("width64", WIDTH_FOLDERS[64]), 128: ("bound128", "lm_bound/d128"),
-     256: ("bound256", "lm_bound/d256")}, bound=True)
+    {64: ("width64", WIDTH_FOLDERS[64]),
+     **{d: (f"bound{d}", f) for d, f in BOUND_FOLDERS.items()}}, bound=True)
 STUDIES = {s.plan: s for s in (WIDTH_STUDY, BOUND_STUDY)}
 
 
