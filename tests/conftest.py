@@ -124,7 +124,7 @@ MODULE_COST_S = {
     "tests/benchmarks/test_lm.py": 85,
     "tests/families/test_penzai.py": 75,
     "tests/test_multiprocess.py": 67,       # 2 processes at once
-    "tests/families/test_sharded_recipes.py": 64,
+    "tests/test_sharded_recipes.py": 64,     # 6 recipes, one child
     "tests/families/test_haliax.py": 60,
     "tests/test_sharding.py": 59,
     "tests/test_training_patterns.py": 58,

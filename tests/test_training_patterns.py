@@ -358,7 +358,7 @@ def test_jit_init(runs, name):
 @functools.lru_cache(maxsize=None)
 def _sharded_init():
   """`jax.jit(init, out_shardings=...)`, the states' shardings from
-  `state_shardings` (on a one-device mesh; tests/test_flax_sharded_recipes.py
+  `state_shardings` (on a one-device mesh; tests/test_sharded_recipes.py
   runs 8 devices)."""
   runs = _runs()
   values = {n: so.wrapped_state.unwrap_variables(p)
@@ -453,7 +453,7 @@ def test_nnx_optimizer(jit):
   """`nnx.Optimizer(model, tx, wrt=nnx.Param)`, eager and under
   `nnx.jit`, beside `nnx.Optimizer(twin, optax.adamw)`. (The model without
   sharding metadata: nnx.Optimizer of a sharded model is docs/families.md's
-  recipe, run on 8 devices by tests/test_flax_sharded_recipes.py.)"""
+  recipe, run on 8 devices by tests/test_sharded_recipes.py.)"""
   x, y = _data()
   # The matrix's nnx model without its sharding metadata (its values
   # copied into an abstract twin: no eager initializers to run).
