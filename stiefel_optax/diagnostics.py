@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from stiefel_optax import arrays, checks, geometry, selector, views
+from stiefel_optax import arrays, checks, geometry, selector, specs, views
 
 
 def _per_frame(fn, params, frames) -> dict:
@@ -158,7 +158,9 @@ def frame_movement(old_params, new_params,
     its frames moved (replicated where the frames span several processes).
 
   Raises:
-    ValueError: as `frame_specs`, or when the trees' structures differ.
+    ValueError: as `frame_specs`, when the trees' structures differ, or
+      when a leaf's two arrays sit on different devices (e.g. a start kept
+      on one device and a model sharded since), naming the leaf.
 
   Example:
     >>> import jax, stiefel_optax as so
@@ -172,13 +174,33 @@ def frame_movement(old_params, new_params,
   # never frames: carried as they are. The difference is taken in at least
   # float32: two bf16 frames a step apart differ by a few ulps, which a
   # bf16 subtraction would round again.
-  def diff_leaf(a, b):
+  def diff_leaf(path, a, b):
     if not hasattr(b, "shape"):
       return b
+    check_same_devices(path, a, b)
     if not jnp.issubdtype(b.dtype, jnp.floating):
       return b - a
     cdtype = arrays.compute_dtype(jnp.promote_types(a.dtype, b.dtype))
     return b.astype(cdtype) - a.astype(cdtype)
 
-  diff = jax.tree.map(diff_leaf, old_params, new_params)
+  diff = jax.tree_util.tree_map_with_path(diff_leaf, old_params, new_params)
   return _per_frame(arrays.frame_norm, diff, frames)
+
+
+def check_same_devices(path, a, b) -> None:
+  """Raises a ValueError naming the leaf when its old and new arrays are
+  committed to different devices (jax would refuse their difference with
+  no parameter named); NumPy arrays and tracers pass."""
+  if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+             for x in (a, b)):
+    return
+  old, new = a.sharding.device_set, b.sharding.device_set
+  if old != new:
+    raise ValueError(
+        f"frame_movement: parameter {specs.path_str(path)} {tuple(b.shape)}:"
+        f" the old array is on {len(old)} device(s) and the new one on"
+        f" {len(new)} ({sorted(d.id for d in old)[:8]} against"
+        f" {sorted(d.id for d in new)[:8]}). Put both on the same devices,"
+        " e.g. old_params = jax.device_put(old_params, <the new params'"
+        " shardings>), or keep the start as NumPy arrays"
+        " (jax.device_get(old_params)).")

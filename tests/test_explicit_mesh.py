@@ -184,6 +184,13 @@ for name, (params, spec, frames, stack) in LAYOUTS.items():
             zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
         got["update_specs"] = sorted({str(norm(a.sharding.spec, a.ndim))
                                       for a in jax.tree.leaves(out)})
+    # A start kept on one device, the model sharded since: a clear error
+    # naming the leaf (jax alone refuses the difference naming none).
+    try:
+      so.frame_movement(jax.device_put(params, jax.devices()[0]), p, frames)
+      got["movement_from_one_device"] = "ok"
+    except Exception as e:
+      got["movement_from_one_device"] = error(e)
   result["explicit"][name] = got
 print("RESULT " + json.dumps(result))
 '''
@@ -255,3 +262,11 @@ def test_explicit_mesh_every_entry_point(child, layout):
   assert got["update_diff"] <= 1e-6, got["update_diff"]
   # the updates keep the params' sharding (one spec for every leaf)
   assert len(got["update_specs"]) == 1 and "x" in got["update_specs"][0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_frame_movement_from_a_start_on_another_device_names_the_leaf(
+    child, layout):
+  got = child["explicit"][layout]["movement_from_one_device"]
+  assert got.startswith("ValueError: frame_movement: parameter "), got
+  assert "kernel" in got and "on 1 device(s) and the new one on 8" in got, got
