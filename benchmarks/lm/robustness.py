@@ -248,7 +248,10 @@ def startable(sweep: Sweep, done: Mapping, data_id: str) -> list:
   of the stages before it has finished, so that with several workers too
   every row is run on the discovery seeds before any confirmation seed: a
   worker done with its share of a stage takes the others' unstarted runs
-  of it, then waits (`sweep.run`). `remaining` lists them all."""
+  of it, then waits (`sweep.run`). The stages of the tables marked `last`
+  wait, too, for the sweep `last_after` names to be complete (`complete`):
+  until then a worker done with the others stops. `remaining` lists them
+  all."""
   name = names(sweep, data_id)
   left = sweep_lib.remaining(sweep, done, name)
   if left:
