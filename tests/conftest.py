@@ -16,7 +16,10 @@ method fixture (`helpers.TestCase`, see tests/test_transforms.py); the
 from __future__ import annotations
 
 import collections
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -62,6 +65,26 @@ def pytest_terminal_summary(terminalreporter):
   terminalreporter.section("stiefel_optax certificates (max measured error)")
   for name in sorted(CERTIFICATES):
     terminalreporter.write_line(f"{name:<58s} {CERTIFICATES[name]:.3e}")
+
+
+@pytest.fixture
+def library_imports(tmp_path_factory, worker_id):
+  """{"import": the top-level modules a fresh process holds after `import
+  stiefel_optax`, "select": after it also selects frames} (one child per
+  session): what the library imports of the optional frameworks."""
+  code = ("import sys, json, stiefel_optax, jax.numpy as jnp; "
+          "top = lambda: sorted({m.split('.')[0] for m in sys.modules}); "
+          "a = top(); "
+          "stiefel_optax.selected_frames({'a/query/kernel': jnp.zeros((8, 2, 4))}); "
+          "print('RESULT ' + json.dumps({'import': a, 'select': top()}))")
+
+  def run():
+    out = subprocess.run([sys.executable, "-c", code], check=True,
+                         timeout=300, capture_output=True, text=True).stdout
+    (line,) = [l for l in out.splitlines() if l.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+  return helpers.once_per_session(tmp_path_factory, worker_id,
+                                  "library_imports", run)
 
 
 @pytest.fixture
