@@ -177,7 +177,7 @@ def frame_movement(old_params, new_params,
   def diff_leaf(path, a, b):
     if not hasattr(b, "shape"):
       return b
-    check_same_devices(path, a, b)
+    _check_same_devices(path, a, b)
     if not jnp.issubdtype(b.dtype, jnp.floating):
       return b - a
     cdtype = arrays.compute_dtype(jnp.promote_types(a.dtype, b.dtype))
@@ -187,7 +187,7 @@ def frame_movement(old_params, new_params,
   return _per_frame(arrays.frame_norm, diff, frames)
 
 
-def check_same_devices(path, a, b) -> None:
+def _check_same_devices(path, a, b) -> None:
   """Raises a ValueError naming the leaf when its old and new arrays are
   committed to different devices (jax would refuse their difference with
   no parameter named); NumPy arrays and tracers pass."""

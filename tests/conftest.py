@@ -16,10 +16,7 @@ method fixture (`helpers.TestCase`, see tests/test_transforms.py); the
 from __future__ import annotations
 
 import collections
-import json
 import os
-import subprocess
-import sys
 
 import jax
 import pytest
@@ -77,14 +74,9 @@ def library_imports(tmp_path_factory, worker_id):
           "a = top(); "
           "stiefel_optax.selected_frames({'a/query/kernel': jnp.zeros((8, 2, 4))}); "
           "print('RESULT ' + json.dumps({'import': a, 'select': top()}))")
-
-  def run():
-    out = subprocess.run([sys.executable, "-c", code], check=True,
-                         timeout=300, capture_output=True, text=True).stdout
-    (line,) = [l for l in out.splitlines() if l.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):])
   return helpers.once_per_session(tmp_path_factory, worker_id,
-                                  "library_imports", run)
+                                  "library_imports",
+                                  lambda: helpers.run_child(code))
 
 
 @pytest.fixture

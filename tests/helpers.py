@@ -52,21 +52,34 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Processes.
 
 
-def run_on_8_devices(source: str) -> dict:
-  """Runs `source` with this interpreter in a child process that sees 8
-  simulated CPU devices (the flag must be set before jax starts), from the
-  repository root (so that it can import `tests.helpers`); returns the JSON
-  of its last line "RESULT <json>"."""
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      " --xla_force_host_platform_device_count=8").strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
+def run_child(source: str, env: dict | None = None) -> dict:
+  """Runs `source` with this interpreter in a child process (environment
+  `env`, default this one's), from the repository root (so that it can
+  import `tests.helpers`); returns the JSON of its last line
+  "RESULT <json>"."""
+  proc = subprocess.run([sys.executable, "-c", source], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
   return json.loads(line[-1][len("RESULT "):])
+
+
+def run_on_8_devices(source: str) -> dict:
+  """`run_child` in a child that sees 8 simulated CPU devices (the flag
+  must be set before jax starts)."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_force_host_platform_device_count=8").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  return run_child(source, env)
+
+
+def spec_entries(spec, ndim: int) -> list:
+  """A PartitionSpec as a list, one entry (a mesh axis or None) per axis
+  of an ndim array (a one-axis tuple entry as that axis), JSON-able."""
+  e = list(spec) + [None] * (ndim - len(tuple(spec)))
+  return [x[0] if isinstance(x, tuple) and len(x) == 1 else x for x in e]
 
 
 def once_per_session(tmp_path_factory, worker_id: str, name: str, make):

@@ -13,7 +13,6 @@ have moved from where `orthonormalize` put them while staying orthonormal
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 import jax
@@ -21,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import stiefel_optax as so
+from tests.helpers import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README] + DOC_PAGES

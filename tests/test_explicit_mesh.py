@@ -35,15 +35,10 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import stiefel_optax as so
-from tests.helpers import collectives
+from tests.helpers import collectives, spec_entries as norm
 
 assert jax.device_count() == 8
 rng = np.random.default_rng(0)
-
-
-def norm(spec, ndim):
-  e = list(spec) + [None] * (ndim - len(tuple(spec)))
-  return [x[0] if isinstance(x, tuple) and len(x) == 1 else x for x in e]
 
 
 def error(e):

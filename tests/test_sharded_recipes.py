@@ -34,14 +34,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 import stiefel_optax as so
 from tests import snippets
+from tests.helpers import spec_entries as norm
 
 assert jax.device_count() == 8
-
-
-def norm(spec, ndim):
-  # A PartitionSpec as a list, one entry (a mesh axis or None) per axis.
-  e = list(spec) + [None] * (ndim - len(tuple(spec)))
-  return [x[0] if isinstance(x, tuple) and len(x) == 1 else x for x in e]
 
 
 out = {}

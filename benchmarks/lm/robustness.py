@@ -256,11 +256,9 @@ def startable(sweep: Sweep, done: Mapping, data_id: str) -> list:
   left = sweep_lib.remaining(sweep, done, name)
   if left:
     return left
-  stages = claim_stages(sweep, claim_plan(sweep, done, data_id))
-  if sweep.last_after and not complete(*sweep.last_after, data_id):
-    stages = stages[:len(stages) - 2 * any(
-        t.last for t in claim_tables(sweep))]
-  for stage in stages:
+  waits = sweep.last_after and not complete(*sweep.last_after, data_id)
+  for stage in claim_stages(sweep, claim_plan(sweep, done, data_id),
+                            last=not waits):
     left = sweep_lib.unfinished(stage, done, name)
     if left:
       return left
@@ -327,15 +325,15 @@ def claim_tables(sweep: Sweep) -> list:
           for c in sweep.claims]
 
 
-def claim_stages(sweep: Sweep, plan: Mapping) -> list:
+def claim_stages(sweep: Sweep, plan: Mapping, last: bool = True) -> list:
   """The claims' runs, (arm, eta, seed), as the stages they run in, each a
   list: every discovery seed before any confirmation seed, the tables in
   turn (per seed, the table's arms in the sweep's order at their rates; a
   run two tables share once), then the trend's terms (arm, eta, seed,
   trend): every arm of that sweep at its eta_high; a table marked `last`
-  after both stages of the others. While the trend's sweep is not
-  complete, no confirmation seed is planned (every row of every table is
-  run on discovery seeds first)."""
+  after both stages of the others (last=False: without them). While the
+  trend's sweep is not complete, no confirmation seed is planned (every
+  row of every table is run on discovery seeds first)."""
   seen, stages = set(), []
 
   def add(tables, stage) -> list:
@@ -361,6 +359,8 @@ def claim_stages(sweep: Sweep, plan: Mapping) -> list:
                for seed in sweep.claim_seeds[stage]
                for arm in SWEEPS[sweep.trend].arms]
     stages.append(runs)
+  if not last:
+    return stages
   return stages + [add([t for t in tables if t.last], stage)
                    for stage in ("discovery", "confirmation")]
 
