@@ -688,15 +688,16 @@ def test_bound256_claims_plan_the_box_rows_and_reuse_the_width_claims():
   assert robustness.startable(s, done, data) == left[len(discovery):-18]
   assert robustness.remaining(s, done, data) == left[len(discovery):]
   # (d), marked last, waits for the d 128 sweep (`last_after`): no run of
-  # it is startable while that sweep is incomplete (its folder has none of
-  # the box's runs here), and it is once that sweep is complete (here a
-  # committed complete sweep stands in for it).
+  # it is startable while that sweep is incomplete (here: read from a
+  # folder that has none of its new box runs), and it is once that sweep
+  # is complete (here a committed complete sweep stands in for it).
   for t in left[len(discovery):-18]:
     done[name(t)] = rec(1.7)
   assert s.last_after == ("bound128", "lm_bound/d128")
-  assert not robustness.complete(*s.last_after, data)
-  assert robustness.startable(s, done, data) == []
-  assert robustness.remaining(s, done, data) == left[-18:]
+  waiting = dataclasses.replace(s, last_after=("bound128", "lm_bound/none"))
+  assert not robustness.complete(*waiting.last_after, data)
+  assert robustness.startable(waiting, done, data) == []
+  assert robustness.remaining(waiting, done, data) == left[-18:]
   ready = dataclasses.replace(s, last_after=("width128", "lm_robustness"))
   assert robustness.complete(*ready.last_after, data)
   assert robustness.startable(ready, done, data) == left[-18:-10]
