@@ -559,11 +559,35 @@ def test_trend_table_is_each_widths_gap_to_adamw_paired_by_seed():
   assert "bootstrap" not in text
 
 
-def test_committed_width_report_regenerates(tmp_path):
-  """The committed cross-width report (benchmarks/results/lm_width) comes
-  back byte for byte from the committed runs of every width."""
-  src = harness.REFERENCE_ROOT / "lm_width"
-  robustness.width_report(tmp_path)
+@pytest.mark.parametrize("sweep,folder", [
+    ("width64", "lm_width/d64"), ("width256", "lm_width/d256"),
+    ("bound_pilot", "lm_bound"), ("bound128", "lm_bound/d128"),
+    ("bound256", "lm_bound/d256")])
+def test_committed_width_and_bound_sweep_reports_regenerate(sweep, folder,
+                                                            tmp_path):
+  """Each committed per-width and bound sweep report comes back byte for
+  byte from its folder's finished runs with --report-only (a copy: the
+  in-progress runs of a worker, if any, are read as they are)."""
+  import shutil
+  src, out = harness.REFERENCE_ROOT / folder, tmp_path / "out"
+  shutil.copytree(src, out, ignore=shutil.ignore_patterns(
+      "*.npz", "*.claim", "d128", "d256"))
+  lm.experiment.main(["--robustness", "--sweep", sweep, "--report-only",
+                      "--out", str(out), "--quiet"])
+  files = sorted(src.glob("robustness*"))
+  assert files
+  for f in files:
+    assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+@pytest.mark.parametrize("study", ["lm_width", "lm_bound"])
+def test_committed_width_report_regenerates(study, tmp_path):
+  """The committed cross-width reports (benchmarks/results/lm_width, and
+  the bound study's in lm_bound) come back byte for byte from the
+  committed runs of every width."""
+  src = harness.REFERENCE_ROOT / study
+  robustness.width_report(tmp_path, study={
+      s.home: s for s in robustness.STUDIES.values()}[study])
   files = sorted(src.glob("width*"))
   assert files
   for f in files:
