@@ -337,17 +337,29 @@ def test_committed_sweep_reports_regenerate_without_the_data(bench, bump,
   raw runs with --report-only, with no data at hand (the runs' recorded
   data id is read), and after a numerics version bump (bump: a CIFAR
   sweep run's name holds its identity, which the bump changes)."""
-  import shutil
   from benchmarks.cifar_patches import experiment as cifar_cli
   folder = {"lm": "lm_robustness", "cifar_patches": "cifar_robustness"}[bench]
-  src, out = harness.REFERENCE_ROOT / folder, tmp_path / folder
-  shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.npz", "*.claim"))
   if bump:
     monkeypatch.setattr(harness, "numerics_version", lambda: "99.0.0")
   main = {"lm": lm.experiment.main, "cifar_patches": cifar_cli.main}[bench]
-  main(["--robustness", "--report-only", "--out", str(out), "--data",
-        str(tmp_path / "absent")] + (["--quiet"] if bench == "lm" else []))
-  for f in sorted(src.glob("robustness*")):
+  assert_report_regenerates(
+      folder, tmp_path, lambda out: main(
+          ["--robustness", "--report-only", "--out", str(out), "--data",
+           str(tmp_path / "absent")] + (["--quiet"] if bench == "lm" else [])))
+
+
+def assert_report_regenerates(folder: str, tmp_path, regenerate):
+  """regenerate(out) on a copy (out) of benchmarks/results/<folder>, its
+  runs without their checkpoints and claims (and without the width
+  folders inside it), gives every robustness* file back byte for byte."""
+  import shutil
+  src, out = harness.REFERENCE_ROOT / folder, tmp_path / "out"
+  shutil.copytree(src, out, ignore=shutil.ignore_patterns(
+      "*.npz", "*.claim", "d128", "d256"))
+  regenerate(out)
+  files = sorted(src.glob("robustness*"))
+  assert files
+  for f in files:
     assert (out / f.name).read_bytes() == f.read_bytes(), f.name
 
 
@@ -566,18 +578,10 @@ def test_trend_table_is_each_widths_gap_to_adamw_paired_by_seed():
 def test_committed_width_and_bound_sweep_reports_regenerate(sweep, folder,
                                                             tmp_path):
   """Each committed per-width and bound sweep report comes back byte for
-  byte from its folder's finished runs with --report-only (a copy: the
-  in-progress runs of a worker, if any, are read as they are)."""
-  import shutil
-  src, out = harness.REFERENCE_ROOT / folder, tmp_path / "out"
-  shutil.copytree(src, out, ignore=shutil.ignore_patterns(
-      "*.npz", "*.claim", "d128", "d256"))
-  lm.experiment.main(["--robustness", "--sweep", sweep, "--report-only",
-                      "--out", str(out), "--quiet"])
-  files = sorted(src.glob("robustness*"))
-  assert files
-  for f in files:
-    assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+  byte from its folder's finished runs with --report-only."""
+  assert_report_regenerates(folder, tmp_path, lambda out: lm.experiment.main(
+      ["--robustness", "--sweep", sweep, "--report-only", "--out", str(out),
+       "--quiet"]))
 
 
 @pytest.mark.parametrize("study", ["lm_width", "lm_bound"])
