@@ -315,7 +315,12 @@ def run(exp: Experiment, argv: Optional[Sequence[str]] = None,
         prog: Optional[str] = None) -> dict:
   """Parses argv (default: the process's) for the experiment and runs it."""
   argv = sys.argv[1:] if argv is None else list(argv)
-  return exp.run(parse(exp, argv, prog))
+  opts = parse(exp, argv, prog)
+  from benchmarks import training  # pylint: disable=g-import-not-at-top
+  # --quick: every function `training.jit` builds compiles as a toy
+  # (`training.toy_compiler`), whichever experiment it is.
+  with training.toy_compiler(opts.quick):
+    return exp.run(opts)
 
 
 def main(experiments: Mapping[str, Callable[[], Experiment]],

@@ -55,15 +55,15 @@ def make_epoch_fn(model: Transformer, tx, mean, std, aux_fn=None):
     logits = model.apply({"params": params}, normalize(xb, mean, std))
     return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
 
-  return jax.jit(training.train_chunk(loss_fn, tx,
-                                      lambda i, x, y: (x[i], y[i]),
-                                      aux_fn=aux_fn))
+  return training.jit(training.train_chunk(loss_fn, tx,
+                                           lambda i, x, y: (x[i], y[i]),
+                                           aux_fn=aux_fn))
 
 
 def make_eval_fn(model: Transformer, mean, std, with_loss: bool = False):
   """jit(params, x, y) -> accuracy on the images x (uint8) and labels y
   (with_loss: (mean cross-entropy, accuracy))."""
-  @jax.jit
+  @training.jit
   def evaluate(params, x, y):
     logits = model.apply({"params": params}, normalize(x, mean, std))
     loss, acc = training.loss_and_accuracy(logits, y)

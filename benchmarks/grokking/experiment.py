@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from benchmarks import driver, harness, training
+from benchmarks import driver, harness
 from benchmarks.grokking.arms import ARMS
 from benchmarks.grokking.config import PRESETS, PROBE_ARM
 from benchmarks.grokking.study import (MAIN_JOB, PAIRED, STUDIES,
@@ -95,9 +95,8 @@ def run_cell(opts: driver.Options, cfg, study, out, runs_from,
     harness.write_json(out / "study.json", dict(
         config=cfg.to_dict(), study=dataclasses.asdict(study)), indent=1)
     part, parts = driver.check_worker(opts.worker or "0/1")
-    with training.toy_compiler(opts.quick):   # --quick: compiled fast
-      run_study(cfg, study, out, not opts.quiet, part, parts, opts.command,
-                opts.time_budget)
+    run_study(cfg, study, out, not opts.quiet, part, parts, opts.command,
+              opts.time_budget)
   runs = saved_study(cfg, study, out, runs_from)
   if isinstance(study, PairedStudy):
     return report_lib.paired_report(out, cfg, study, runs,

@@ -11,8 +11,7 @@ import pathlib
 import time
 from typing import Mapping, Optional
 
-from benchmarks import (driver, harness, study as study_lib, sweep as sweep_lib,
-                        training)
+from benchmarks import driver, harness, study as study_lib, sweep as sweep_lib
 from benchmarks.lm.arms import other_fields
 from benchmarks.lm.config import PRESETS, Config, check_config, run_name
 from benchmarks.lm.data import Corpus, default_data, load_corpus
@@ -171,23 +170,20 @@ def run(opts: driver.Options) -> dict:
     raise SystemExit("--worker and --sweep are --robustness's; add it.")
   check_study_args(opts)
   if opts.robustness:
-    with training.toy_compiler(opts.quick):
-      return sweep_lib.main(robustness.SWEEP_EXPERIMENT, opts)
+    return sweep_lib.main(robustness.SWEEP_EXPERIMENT, opts)
   study = ("quick" if opts.quick else "full") if opts.study else None
   folder = "lm" if study is None else "lm_study" + "_quick" * opts.quick
   out = opts.out or (REFERENCE_DIR if opts.report_only and opts.results_md
                      else harness.default_out(folder))
   if opts.note:
     harness.write_text(out / "notes.md", opts.note.strip() + "\n")
-  with training.toy_compiler(opts.quick):
-    if not opts.report_only:
-      corpus = load_corpus(str(opts.data or default_data()))
-      if study is None:
-        if not train_sweep(opts, corpus, out, log):
-          return {}
-      elif (est := train_study(study, opts, corpus, out,
-                               log)) is not None:
-        return dict(estimate=est)
+  if not opts.report_only:
+    corpus = load_corpus(str(opts.data or default_data()))
+    if study is None:
+      if not train_sweep(opts, corpus, out, log):
+        return {}
+    elif (est := train_study(study, opts, corpus, out, log)) is not None:
+      return dict(estimate=est)
   rep = write_report(out, study)
   if opts.results_md:
     report_lib.write_section(opts.results_md, rep)
