@@ -1,8 +1,7 @@
 """Helpers shared by the test files (plain functions; the fixtures built on
 them are in tests/conftest.py).
 
-* Paths and processes: `ROOT`, `child_env`, `run_child`,
-  `run_on_8_devices`, `once_per_session`.
+* Paths and processes: `ROOT`, `run_on_8_devices`, `once_per_session`.
 * Inputs from NumPy: `np_frames`, `np_normal`, `frames`, `normal`,
   `default_dtype`, `quadratic`, `haar_reflection`.
 * float64 references: `rel`, `np_polar`, `np_polar_batch`, `np_project`.
@@ -53,38 +52,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Processes.
 
 
-# The child processes' compiler: without LLVM's optimisation. They check
-# what programs compute and what XLA makes of them (shardings, collectives:
-# the HLO, which this flag leaves alone), never how fast the machine code
-# runs, and at their toy sizes compiling is most of their time (the
-# explicit-mesh child: 60 CPU-s at the default level, 44 at level 0). The
-# benchmarks' --quick runs compile the same way (`training.toy_compiler`).
-TOY_COMPILE = "--xla_backend_optimization_level=0"
-
-
-def child_env(devices: int | None = None) -> dict:
-  """This process's environment for a child process: CPU only, its
-  XLA_FLAGS plus TOY_COMPILE and, given `devices`, that many simulated CPU
-  devices (replacing a count already set; the flag must be set before jax
-  starts)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  flags = env.get("XLA_FLAGS", "").split() + [TOY_COMPILE]
-  if devices is not None:
-    count = "--xla_force_host_platform_device_count"
-    flags = [f for f in flags if not f.startswith(count + "=")]
-    flags.append(f"{count}={devices}")
-  env["XLA_FLAGS"] = " ".join(flags)
-  return env
-
-
 def run_child(source: str, env: dict | None = None) -> dict:
   """Runs `source` with this interpreter in a child process (environment
-  `env`, default `child_env()`), from the repository root (so that it can
+  `env`, default this one's), from the repository root (so that it can
   import `tests.helpers`); returns the JSON of its last line
   "RESULT <json>"."""
   proc = subprocess.run([sys.executable, "-c", source], cwd=ROOT,
-                        env=child_env() if env is None else env,
-                        capture_output=True, text=True, timeout=600)
+                        env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -92,8 +66,13 @@ def run_child(source: str, env: dict | None = None) -> dict:
 
 
 def run_on_8_devices(source: str) -> dict:
-  """`run_child` in a child that sees 8 simulated CPU devices."""
-  return run_child(source, child_env(devices=8))
+  """`run_child` in a child that sees 8 simulated CPU devices (the flag
+  must be set before jax starts)."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_force_host_platform_device_count=8").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  return run_child(source, env)
 
 
 def spec_entries(spec, ndim: int) -> list:

@@ -49,7 +49,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import stiefel_optax as so
 from stiefel_optax import checks
 
-from tests.helpers import ROOT, child_env, frames
+from tests.helpers import ROOT, frames
 
 # Each child takes about 16 s of CPU (2 x 4 devices, 3 layouts): about 20 s
 # on an idle 2-core machine, more when the cores are shared.
@@ -68,7 +68,10 @@ def run_cluster(out, nproc: int = 2) -> None:
   test, with every child's stderr, unless all exit 0 within TIMEOUT_S. Once
   one fails the others are killed (they would wait for it in a collective
   until the timeout)."""
-  env = child_env(devices=4)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                 env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=4"
   port, procs, logs, late = free_port(), [], [], ""
   deadline = time.monotonic() + TIMEOUT_S
   try:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, child_env, once_per_session
+from tests.helpers import ROOT, once_per_session
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,7 @@ def quick(tmp_path_factory, worker_id):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "speed", "--quick", "--out",
          str(out)],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True,
-        timeout=600)
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "speed.json") as f:
       res = json.load(f)
