@@ -313,13 +313,20 @@ def refuse(opts: Options, what: str, where: str,
 
 def run(exp: Experiment, argv: Optional[Sequence[str]] = None,
         prog: Optional[str] = None) -> dict:
-  """Parses argv (default: the process's) for the experiment and runs it."""
+  """Parses argv (default: the process's) for the experiment and runs it;
+  under --quick every function `training.jit` builds compiles as a toy
+  (`training.toy_compiler`), whichever experiment it is.
+
+  >>> from benchmarks import training
+  >>> probe = dataclasses.replace(
+  ...     EXAMPLE, run=lambda opts: dict(training.COMPILER_OPTIONS))
+  >>> run(probe, ["--quick"]), run(probe, [])
+  ({'xla_backend_optimization_level': 0}, {})
+  """
   argv = sys.argv[1:] if argv is None else list(argv)
   opts = parse(exp, argv, prog)
   from benchmarks import training  # pylint: disable=g-import-not-at-top
-  # --quick: every function `training.jit` builds compiles as a toy
-  # (`training.toy_compiler`), whichever experiment it is.
-  with training.toy_compiler(opts.quick):
+  with training.toy_compiler(getattr(opts.args, "quick", False)):
     return exp.run(opts)
 
 

@@ -41,6 +41,7 @@ continues a finished one; the LM: the whole-split loss). `jit` and
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pathlib
 import time
@@ -66,10 +67,37 @@ def jit(fn: Callable, **kwargs) -> Callable:
   return jax.jit(fn, compiler_options=COMPILER_OPTIONS or None, **kwargs)
 
 
+def cached_builder(build: Callable) -> Callable:
+  """`build` (a function of hashable arguments that returns `jit`
+  functions) cached per argument and per COMPILER_OPTIONS as they are at the
+  call: what a --quick run built under the toy compiler is never handed to
+  a run compiled as jax.jit does, in the same process.
+
+  >>> calls = []
+  >>> build = cached_builder(lambda n: calls.append(n) or n)
+  >>> build(1), build(1)
+  (1, 1)
+  >>> with toy_compiler(True):
+  ...   build(1)
+  1
+  >>> calls
+  [1, 1]
+  """
+  cached = functools.lru_cache(maxsize=None)(
+      lambda options, *args, **kwargs: build(*args, **kwargs))
+
+  @functools.wraps(build)
+  def builder(*args, **kwargs):
+    return cached(tuple(sorted(COMPILER_OPTIONS.items())), *args, **kwargs)
+
+  builder.cache_clear = cached.cache_clear
+  return builder
+
+
 @contextlib.contextmanager
 def toy_compiler(enabled: bool):
-  """With `enabled` (a --quick run), `jit` compiles without LLVM's
-  optimisation: at toy sizes that is most of the compile time. The options
+  """With `enabled` (a --quick run: the driver sets it), `jit` compiles
+  without LLVM's optimisation: at toy sizes that is most of the compile time. The options
   are restored after.
 
   >>> from benchmarks import training

@@ -20,7 +20,6 @@ step 0; absent from runs made before they were recorded).
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Optional
 
@@ -83,19 +82,8 @@ def batch_of(batch_size: int):
   return batch
 
 
+@training.cached_builder
 def chunk_fn(cfg: Config, arm: str):
-  """`_chunk_fn` compiled under `training.COMPILER_OPTIONS` as they are
-  (a --quick run's toy compiler, `training.toy_compiler`)."""
-  return _chunk_fn(cfg, arm, tuple(sorted(training.COMPILER_OPTIONS.items())))
-
-
-def measure_fn(cfg: Config):
-  """`_measure_fn` under `training.COMPILER_OPTIONS` as they are."""
-  return _measure_fn(cfg, tuple(sorted(training.COMPILER_OPTIONS.items())))
-
-
-@functools.lru_cache(maxsize=None)
-def _chunk_fn(cfg: Config, arm: str, _options: tuple):
   """jit(carry, step, key, train_x, train_y) -> (carry, dict(batch_loss_mean,
   batch_loss_max, move)): the `log_every` steps from `step` (each one step
   of `training.train_chunk`, on `batch_of`'s batch), the mean and the
@@ -119,8 +107,8 @@ def _chunk_fn(cfg: Config, arm: str, _options: tuple):
   return training.jit(chunk)
 
 
-@functools.lru_cache(maxsize=None)
-def _measure_fn(cfg: Config, _options: tuple):
+@training.cached_builder
+def measure_fn(cfg: Config):
   """jit(params, data) -> accuracies, losses, isometry errors, norms."""
   model = make_model(cfg)
 

@@ -6,7 +6,6 @@ and its history of evaluations and its final losses."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pathlib
 from typing import Optional
 
@@ -53,7 +52,7 @@ def eval_config(cfg: Config) -> Config:
                 dropout=cfg.dropout, eval_iters=cfg.eval_iters)
 
 
-@functools.lru_cache(maxsize=None)
+@training.cached_builder
 def chunk_fn(cfg: Config, vocab_size: int):
   """jit(carry, start, train, seed keys) -> (carry, mean train loss) over
   `eval_interval` steps of `training.train_chunk`, step `it`'s batch (and
@@ -97,7 +96,7 @@ def step_records(cfg: Config):
       b1=cfg.beta1, b2=cfg.beta2, eps=ADAM_EPS)
 
 
-@functools.lru_cache(maxsize=None)
+@training.cached_builder
 def estimate_fn(cfg: Config, vocab_size: int):
   """jit(params, train, val, eval key, step) -> nanoGPT's estimate_loss:
   mean loss of eval_iters random batches of each split, and the isometry
@@ -127,7 +126,7 @@ def estimate_fn(cfg: Config, vocab_size: int):
   return training.jit(estimate)
 
 
-@functools.lru_cache(maxsize=None)
+@training.cached_builder
 def full_loss_fn(cfg: Config, vocab_size: int, batch: int = 64):
   """jit(params, tokens) -> mean loss over every next-token prediction in
   the non-overlapping windows of block_size (tokens beyond the last full

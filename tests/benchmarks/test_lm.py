@@ -28,7 +28,7 @@ import benchmarks.lm.model
 import benchmarks.lm.study
 import benchmarks.lm.timing
 import benchmarks.lm.train
-from benchmarks import driver, harness, lm, stats, study as study_lib, training
+from benchmarks import driver, harness, lm, stats, study as study_lib
 from benchmarks.reports import lm as report_lib
 from tests.helpers import ROOT
 
@@ -173,22 +173,8 @@ def test_muon_arm_is_optax_muon_on_each_head():
       np.testing.assert_allclose(got, want["w"], rtol=1e-4, atol=1e-8)
 
 
-@pytest.fixture
-def fast_compile(monkeypatch):
-  """Toy sizes: skip LLVM's optimisation (most of the compile time)."""
-  caches = (lm.train.chunk_fn, lm.train.estimate_fn, lm.train.full_loss_fn)
-  monkeypatch.setattr(training, "COMPILER_OPTIONS",
-                      {"xla_backend_optimization_level": 0})
-  for c in caches:
-    c.cache_clear()
-  yield
-  for c in caches:
-    c.cache_clear()
-
-
 @needs_data
-def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, fast_compile,
-                                                     capsys):
+def test_quick_study_tunes_pairs_reports_and_resumes(tmp_path, capsys):
   """`--study --quick`, the whole study path at toy size: its estimate
   first; tuning on validation with a grid widened past its edge; the
   other arms on adamw's choice; discovery before confirmation seeds; the
