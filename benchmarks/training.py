@@ -63,7 +63,8 @@ COMPILER_OPTIONS: dict = {}
 
 def jit(fn: Callable, **kwargs) -> Callable:
   """jax.jit(fn, **kwargs) under COMPILER_OPTIONS as they are when it is
-  built (the experiments cache what it returns: set them first)."""
+  built (an experiment caches what it builds per options:
+  `cached_builder`)."""
   return jax.jit(fn, compiler_options=COMPILER_OPTIONS or None, **kwargs)
 
 
