@@ -98,8 +98,8 @@ def cached_builder(build: Callable) -> Callable:
 @contextlib.contextmanager
 def toy_compiler(enabled: bool):
   """With `enabled` (a --quick run: the driver sets it), `jit` compiles
-  without LLVM's optimisation: at toy sizes that is most of the compile time. The options
-  are restored after.
+  without LLVM's optimisation: at toy sizes that is most of the compile
+  time. The options are restored after.
 
   >>> from benchmarks import training
   >>> with toy_compiler(True):
