@@ -275,19 +275,14 @@ def one_pass_chain(
     s, lr_state = links[n].update(scale, state[n])       # -lr scale
     s, norm = transforms.unzip(jax.tree.structure(updates),
                                jax.tree.map(capped, m, s), 2)
+    xi = jax.tree.map(lambda m, s: m * s[..., None, None], m, s)
     if not isinstance(state[-1], retraction_lib.MasterFramesState):
-      u = jax.tree.map(
-          lambda m, s, norm, w: retraction_lib.retraction_update(
-              m * s[..., None, None], w, retraction, static_max_step_norm,
-              step_norm=norm, out_dtype=w.dtype),
-          m, s, norm, params)
+      u = retraction_lib.retraction_updates(
+          xi, params, retraction, static_max_step_norm, step_norms=norm)
       # The cap and the retraction keep no state (EmptyState).
       return u, (*lead_states, lr_state, *state[n + 1:])
-    new = jax.tree.map(
-        lambda m, s, norm, w: retraction_lib.retracted(
-            m * s[..., None, None], w, retraction, static_max_step_norm,
-            step_norm=norm),
-        m, s, norm, frames)
+    new = retraction_lib.retracted(xi, frames, retraction,
+                                   static_max_step_norm, step_norms=norm)
     u, master = retraction_lib.land(new, state[-1], params)
     return u, (*lead_states, lr_state, *state[n + 1:-1], master)
 

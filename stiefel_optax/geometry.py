@@ -28,9 +28,10 @@ from stiefel_optax.arrays import (
     _check_matrices, compute_dtype, frame_norm, frame_scalar_sharding, gram,
     like, reshard_to)
 from stiefel_optax.newton_schulz import (
-    _certified_polar, _fast_path_steps, _newton_schulz_counted,
-    _newton_schulz_fixed, _polar_newton_schulz, newton_schulz_accept_tol,
-    newton_schulz_max_steps, newton_schulz_tol, step_spectrum)
+    PolarParts, _fast_path_steps, _newton_schulz_counted,
+    _newton_schulz_fixed, _polar_newton_schulz, certified_polars,
+    newton_schulz_accept_tol, newton_schulz_max_steps, newton_schulz_tol,
+    polar_parts, step_spectrum)
 
 RETRACTIONS = ("newton_schulz", "eigh")
 
@@ -393,6 +394,20 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
     >>> bool(so.isometry_error(so.retract(w, 0.1 * xi)) < 1e-5)
     True
   """
+  parts = retract_parts(w, xi, method, max_step_norm=max_step_norm,
+                        num_steps=num_steps, tangent=tangent,
+                        step_norm=step_norm)
+  return certified_polars([parts])[0].astype(w.dtype)
+
+
+def retract_parts(w: jax.Array, xi: jax.Array, method: str = "newton_schulz",
+                  *, max_step_norm: Optional[float] = None,
+                  num_steps: Optional[int] = None, tangent: bool = True,
+                  step_norm: Optional[jax.Array] = None):
+  """`retract` before its certificate is checked: the retracted frames in
+  the compute dtype (method="eigh", or num_steps given), else their
+  `PolarParts`, for `certified_polars` to check (several leaves' at once
+  share one fallback: `retraction.retract_leaves`)."""
   check_frame_shape(w.shape, "retract: w")
   check_same_shape("retract", "w", w.shape, "xi", xi.shape)
   _check_method("retract", method)
@@ -401,7 +416,7 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
   a = w.astype(cdtype) + xi_c
   m = gram(a)
   if method == "eigh":
-    return (a @ _inv_sqrt_eigh(m)).astype(w.dtype)
+    return a @ _inv_sqrt_eigh(m)
   if num_steps is None and max_step_norm is None and not tangent:
     # No bound from the step: an infinite certificate selects the fallback
     # (through the same compiled cond as the other paths).
@@ -409,7 +424,7 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
                m)
     inf = reshard_to(jnp.full(m.shape[:-2], jnp.inf, cdtype),
                      frame_scalar_sharding(m))
-    return _certified_polar(a, m, eye, inf).astype(w.dtype)
+    return PolarParts(a, m, eye, inf)
   if step_norm is not None:
     check_same_shape("retract", "step_norm", jnp.shape(step_norm),
                      "the frames of xi", xi.shape[:-2])
@@ -430,5 +445,4 @@ def retract(w: jax.Array, xi: jax.Array, method: str = "newton_schulz", *,
     max_steps = newton_schulz_max_steps(cdtype, r)
     counted = lambda y: _newton_schulz_counted(
         y, p0, tol=tol, accept=accept, r=r, max_steps=max_steps)
-  out = _polar_newton_schulz(a, m, c, num_steps, counted)
-  return out.astype(w.dtype)
+  return polar_parts(a, m, c, num_steps, counted)

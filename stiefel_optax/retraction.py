@@ -204,41 +204,51 @@ def retract_polar(method: str = "newton_schulz", *,
     checks.require_params(params, "retract_polar")
     checks.check_update_shapes(updates, params, "retract_polar")
     if not isinstance(state, MasterFramesState):
-      return jax.tree.map(
-          lambda xi, w: retraction_update(xi, w, method, static_max_step_norm,
-                                          tangent, out_dtype=w.dtype),
-          updates, params), state
-    new = jax.tree.map(
-        lambda xi, w: retracted(xi, w, method, static_max_step_norm, tangent),
-        updates, start_frames(state, params))
+      return retraction_updates(updates, params, method, static_max_step_norm,
+                                tangent), state
+    new = retracted(updates, start_frames(state, params), method,
+                    static_max_step_norm, tangent)
     return land(new, state, params)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def retracted(xi, w, method: str, static_max_step_norm: Optional[float],
-              tangent: bool = True, step_norm=None):
-  """polar(W + xi) for one leaf, in W's compute dtype (`retraction_update`
-  without the difference)."""
-  cdtype = arrays.compute_dtype(w.dtype)
-  return geometry.retract(w.astype(cdtype), xi.astype(cdtype), method,
-                          max_step_norm=static_max_step_norm,
-                          tangent=tangent, step_norm=step_norm)
+def retracted(xis, ws, method: str, static_max_step_norm: Optional[float],
+              tangent: bool = True, step_norms=None):
+  """polar(W + xi) of every leaf of the tree `xis` (W from `ws`, of the
+  same structure), in W's compute dtype (`geometry.retract` per leaf).
+
+  `step_norms` (||xi||_F per frame, where the caller has them) spare
+  `geometry.retract` its own pass over xi. `static_max_step_norm`: the
+  trust region's max_step_norm as a Python float, None when there is none
+  or it is traced (then the Newton–Schulz count is found at run time).
+  The leaves' certificates are checked together (`certified_polars`):
+  leaves of one shape, dtype and sharding share one compiled fallback, and
+  each leaf's result is the one `geometry.retract` gives it alone.
+  """
+  leaves, treedef = jax.tree.flatten(xis)
+  w_leaves = treedef.flatten_up_to(ws)
+  n_leaves = ([None] * len(leaves) if step_norms is None
+              else treedef.flatten_up_to(step_norms))
+  parts = []
+  for xi, w, norm in zip(leaves, w_leaves, n_leaves):
+    cdtype = arrays.compute_dtype(w.dtype)
+    # The fast path's count follows from max_step_norm and the compute dtype.
+    parts.append(geometry.retract_parts(
+        w.astype(cdtype), xi.astype(cdtype), method,
+        max_step_norm=static_max_step_norm, tangent=tangent,
+        step_norm=norm))
+  new = [x.astype(arrays.compute_dtype(w.dtype)) for x, w in
+         zip(newton_schulz.certified_polars(parts), w_leaves)]
+  return treedef.unflatten(new)
 
 
-def retraction_update(xi, w, method: str,
-                      static_max_step_norm: Optional[float],
-                      tangent: bool = True, step_norm=None, *, out_dtype):
-  """polar(W + xi) - W for one leaf, computed in W's compute dtype, cast
-  to out_dtype; `step_norm` (||xi||_F per frame, when the caller has it)
-  spares `geometry.retract` its own pass over xi. `static_max_step_norm`:
-  the trust region's max_step_norm as a Python float, None when there is
-  none or it is traced (then the Newton–Schulz count is found at run
-  time)."""
-  cdtype = arrays.compute_dtype(w.dtype)
-  w_c = w.astype(cdtype)
-  # The fast path's count follows from max_step_norm and the compute dtype.
-  new = geometry.retract(w_c, xi.astype(cdtype), method,
-                         max_step_norm=static_max_step_norm,
-                         tangent=tangent, step_norm=step_norm)
-  return (new - w_c).astype(out_dtype)
+def retraction_updates(xis, ws, method: str,
+                       static_max_step_norm: Optional[float],
+                       tangent: bool = True, step_norms=None):
+  """polar(W + xi) - W of every leaf (`retracted`), computed in W's
+  compute dtype and cast to W's dtype."""
+  treedef = jax.tree.structure(xis)
+  new = retracted(xis, ws, method, static_max_step_norm, tangent, step_norms)
+  return jax.tree.map(lambda n, w: (n - w.astype(n.dtype)).astype(w.dtype),
+                      new, treedef.unflatten(treedef.flatten_up_to(ws)))

@@ -534,6 +534,40 @@ def test_retract_under_vmap_equals_batched(frames, normal):
   assert float(jnp.max(so.isometry_error(mapped))) <= 3e-6
 
 
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_leaves_of_one_shape_share_one_fallback(wrap, frames, normal):
+  """`retraction.retracted` checks a tree's leaves together: two leaves of
+  one shape share one fallback, whose loops appear once in the program
+  (as for a single leaf), and every leaf's result is bit for bit the one
+  `retract` gives it alone, whether it took the fallback (a start at 3x
+  the manifold), a mix of both (one frame of the batch off), or the fast
+  path."""
+  from stiefel_optax import retraction
+  w = {"a": 3.0 * frames(51, (3, 8, 4)),
+       "b": frames(52, (3, 8, 4)).at[1].multiply(3.0),
+       "c": frames(53, (3, 8, 4)), "d": frames(54, (2, 8, 4))}
+  xi = {k: 0.05 * so.geometry.project_tangent(v, normal(55, v.shape))
+        for k, v in w.items()}
+  tree = wrap(lambda xi, w: retraction.retracted(xi, w, "newton_schulz",
+                                                 0.1))(xi, w)
+  for k in w:
+    alone = so.retract(w[k], xi[k], max_step_norm=0.1)
+    np.testing.assert_array_equal(np.asarray(tree[k]), np.asarray(alone),
+                                  err_msg=k)
+    assert float(jnp.max(so.isometry_error(tree[k]))) <= 3e-6, k
+  # The fallback's loops (a fori_loop of passes around the iteration's
+  # while loop) once per group in the compiled program (XLA inlines each
+  # call of a function, so per-leaf fallbacks would be copies): "a", "b",
+  # "c" make one group, "d" another.
+  loops = lambda f, *args: len(re.findall(
+      r"\bwhile\(", jax.jit(f).lower(*args).compile().as_text()))
+  per_group = loops(lambda xi, w: so.retract(w, xi, max_step_norm=0.1),
+                    xi["a"], w["a"])
+  assert per_group >= 2
+  assert loops(lambda xi, w: retraction.retracted(
+      xi, w, "newton_schulz", 0.1), xi, w) == 2 * per_group
+
+
 def test_retract_takes_the_callers_step_norm():
   """`retract(..., step_norm=n)` with n = ||xi||_F equals the retraction
   that measures xi itself; a wrong n (or one of the wrong shape) is caught:

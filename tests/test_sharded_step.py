@@ -234,10 +234,11 @@ def test_heads_sharded_moves_no_frame_between_devices(sharded):
     assert heads["collectives"][op] == [], op
   # No array data crosses devices: only whole-batch decisions, per frame
   # leaf one pred for "every frame certified" (the lax.cond of
-  # newton_schulz._certified_polar), one for the fallback loop's "any frame
-  # still active" (inside the cond's fallback branch) and one for "some
-  # frame's ||G||^2 - ||sym(W^T G)||^2 cancels" (transforms.tangent_sq_norm).
-  assert operands(heads["collectives"]["all-reduce"]) == {"pred[]": 12}
+  # newton_schulz.certified_polars) and one for "some frame's ||G||^2 -
+  # ||sym(W^T G)||^2 cancels" (transforms.tangent_sq_norm), and one for the
+  # fallback loop's "any frame still active" (inside the cond's fallback
+  # branch), which the four kernels of one shape share.
+  assert operands(heads["collectives"]["all-reduce"]) == {"pred[]": 9}
 
 
 def test_stacked_heads_sharded_moves_nothing_and_decides_once(sharded):
@@ -265,8 +266,9 @@ def test_fsdp_sharded_update_equals_unsharded(sharded):
 def test_fsdp_reduces_only_gram_blocks_and_scalars(sharded):
   """Four (64, 4, 32) kernels, frames (4, 64, 32) cut into 8-row blocks.
   Per kernel: the (r x r) = (32 x 32) blocks W^T G (projection), W^T m
-  (moment transport), (W + xi)^T (W + xi) (retraction) and Q^T Q in the
-  retraction's fallback branch (not run on the fast path), and the
+  (moment transport) and (W + xi)^T (W + xi) (retraction); once for the
+  four, stacked, Q^T Q in the retraction's shared fallback branch (not run
+  on the fast path); and per kernel the
   per-frame scalars ||G||_F^2 and, in the cancellation branch of
   `tangent_sq_norm` (not run unless a gradient is nearly normal),
   ||P_W G||_F^2 (second moment), and ||m||_F of the new moment, which gives
@@ -276,7 +278,8 @@ def test_fsdp_reduces_only_gram_blocks_and_scalars(sharded):
   collect = sharded["fsdp"]["collectives"]
   for op in NO_MOVES:
     assert collect[op] == [], (op, collect[op])
-  assert operands(collect["all-reduce"]) == {"f32[4,32,32]": 16,
+  assert operands(collect["all-reduce"]) == {"f32[4,32,32]": 12,
+                                             "f32[4,4,32,32]": 1,
                                              "f32[4]": 12}
 
 
@@ -293,11 +296,13 @@ def test_fused_fsdp_update_equals_unsharded(sharded):
 
 def test_fused_fsdp_reduces_only_gram_blocks_and_scalars(sharded):
   """Two (64, 192) c_attn kernels under fused_qkv(4): frames (2, 4, 64, 16)
-  (q and k thirds, 4 heads); the same four (16 x 16) blocks and three
-  per-frame scalars per kernel as above, and nothing for the v third, whose
-  AdamW is elementwise on its own row blocks."""
+  (q and k thirds, 4 heads); the same (16 x 16) blocks (the fallback's
+  stacked for the two kernels) and three per-frame scalars per kernel as
+  above, and nothing for the v third, whose AdamW is elementwise on its own
+  row blocks."""
   collect = sharded["fused_fsdp"]["collectives"]
   for op in NO_MOVES:
     assert collect[op] == [], (op, collect[op])
-  assert operands(collect["all-reduce"]) == {"f32[2,4,16,16]": 8,
+  assert operands(collect["all-reduce"]) == {"f32[2,4,16,16]": 6,
+                                             "f32[2,2,4,16,16]": 1,
                                              "f32[2,4]": 6}
