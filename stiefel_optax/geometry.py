@@ -407,7 +407,7 @@ def retract_parts(w: jax.Array, xi: jax.Array, method: str = "newton_schulz",
   """`retract` before its certificate is checked: the retracted frames in
   the compute dtype (method="eigh", or num_steps given), else their
   `PolarParts`, for `certified_polars` to check (several leaves' at once
-  share one fallback: `retraction.retract_leaves`)."""
+  share one fallback: `retraction.retracted`)."""
   check_frame_shape(w.shape, "retract: w")
   check_same_shape("retract", "w", w.shape, "xi", xi.shape)
   _check_method("retract", method)
