@@ -238,9 +238,7 @@ def retracted(xis, ws, method: str, static_max_step_norm: Optional[float],
         w.astype(cdtype), xi.astype(cdtype), method,
         max_step_norm=static_max_step_norm, tangent=tangent,
         step_norm=norm))
-  new = [x.astype(arrays.compute_dtype(w.dtype)) for x, w in
-         zip(newton_schulz.certified_polars(parts), w_leaves)]
-  return treedef.unflatten(new)
+  return treedef.unflatten(newton_schulz.certified_polars(parts))
 
 
 def retraction_updates(xis, ws, method: str,
@@ -248,7 +246,6 @@ def retraction_updates(xis, ws, method: str,
                        tangent: bool = True, step_norms=None):
   """polar(W + xi) - W of every leaf (`retracted`), computed in W's
   compute dtype and cast to W's dtype."""
-  treedef = jax.tree.structure(xis)
   new = retracted(xis, ws, method, static_max_step_norm, tangent, step_norms)
   return jax.tree.map(lambda n, w: (n - w.astype(n.dtype)).astype(w.dtype),
-                      new, treedef.unflatten(treedef.flatten_up_to(ws)))
+                      new, ws)
