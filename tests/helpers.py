@@ -67,7 +67,9 @@ def run_child(source: str, env: dict | None = None) -> dict:
 
 def run_on_8_devices(source: str) -> dict:
   """`run_child` in a child that sees 8 simulated CPU devices (the flag
-  must be set before jax starts)."""
+  must be set before jax starts), lowering into one MLIR context as the
+  suite does (the root conftest.py's `share_one_ir_context`)."""
+  source = "import conftest; conftest.share_one_ir_context()\n" + source
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       " --xla_force_host_platform_device_count=8").strip()
