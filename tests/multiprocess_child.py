@@ -267,4 +267,6 @@ def main(out, pid=0, nproc=1, port=0):
 
 
 if __name__ == "__main__":
+  import conftest           # lower as the suite does: one MLIR context
+  conftest.share_one_ir_context()
   main(sys.argv[1], *map(int, sys.argv[2:5]))
