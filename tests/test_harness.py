@@ -9,15 +9,25 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.interpreters import mlir
+import pytest
 
 import conftest
 import stiefel_optax as so
 from tests.helpers import frames
 
+mlir = pytest.importorskip("jax._src.interpreters.mlir")
 
+
+# Where jax no longer has the function, the suite runs unpatched (only
+# slower), and these tests say so as a skip.
+needs_the_patch = pytest.mark.skipif(
+    not conftest.share_one_ir_context(),
+    reason="jax._src.interpreters.mlir.make_ir_context is gone: the suite "
+    "lowers each program into a fresh MLIR context (slower, same results)")
+
+
+@needs_the_patch
 def test_one_ir_context_per_thread():
-  assert conftest.share_one_ir_context()
   assert mlir.make_ir_context() is mlir.make_ir_context()
   other = []
   t = threading.Thread(target=lambda: other.append(mlir.make_ir_context()))
@@ -26,6 +36,7 @@ def test_one_ir_context_per_thread():
   assert other[0] is not mlir.make_ir_context()
 
 
+@needs_the_patch
 def test_the_shared_context_lowers_and_compiles_what_a_fresh_one_does(
     monkeypatch):
   """The Stiefel update, lowered and compiled once in the shared context and
