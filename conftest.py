@@ -56,23 +56,23 @@ def share_one_ir_context() -> bool:
 
   jax builds a new MLIR context for each program it lowers, loading every
   dialect: about 5 ms each (8.4 s for 1,800 in one worker over six test
-  files). The whole-suite saving below is nearly three times what
-  building them takes, the rest being their teardown and allocator churn
-  (system time fell from 40 to 24 s). The suite lowers about 6,000
-  programs per run, eager single ops included. One context per thread is
-  how MLIR is meant to be used: the context only interns types,
-  attributes and dialects, and the module text handed to XLA is the same (tests/test_harness.py checks that, and the
-  bit-identical resume in a fresh, unpatched process in
-  tests/test_checkpoint.py checks the numbers). Measured on the whole
-  suite, 2 cores, back to back: 580 and 569 CPU-s before, 496 and 498
-  after (304/301 s -> 264/265 s wall), and the largest process's peak
-  memory fell from 4.1 to 1.6 GB. Changed: this pytest process, its
-  xdist workers and the children that call this too (the 8-device ones,
+  files). The whole-suite saving below is nearly three times what building
+  them takes, the rest being their teardown and allocator churn (system time
+  fell from 40 to 24 s). The suite lowers about 6,000 programs per run,
+  eager single ops included. One context per thread is how MLIR is meant to
+  be used: the context only interns types, attributes and dialects, and the
+  module text handed to XLA is the same (tests/test_harness.py checks that,
+  and the bit-identical resume in a fresh, unpatched process in
+  tests/test_checkpoint.py checks the numbers). Measured on the whole suite,
+  2 cores, back to back: 580 and 569 CPU-s before, 496 and 498 after
+  (304/301 s -> 264/265 s wall), and the largest process's peak memory fell
+  from 4.1 to 1.6 GB. Changed: this pytest process, its xdist workers and
+  the children that call this too (the 8-device ones,
   `helpers.run_on_8_devices`, and the multi-process cluster's); the other
-  children, the benchmarks' command lines and every user run jax as it
-  is. If jax moves the function, nothing is changed and the suite is only
-  slower (tests/test_harness.py then skips, saying so). Returns whether the
-  patch is in place."""
+  children, the benchmarks' command lines and every user run jax as it is.
+  If jax moves the function, nothing is changed and the suite is only slower
+  (tests/test_harness.py then skips, saying so). Returns whether the patch
+  is in place."""
   try:
     from jax._src.interpreters import mlir
   except ImportError:
