@@ -80,7 +80,7 @@ def share_one_ir_context() -> bool:
   fresh = getattr(mlir, "make_ir_context", None)
   if fresh is None:
     return False
-  if getattr(fresh, "shared_per_thread", False):
+  if hasattr(fresh, "fresh"):          # already the per-thread one
     return True
   local = threading.local()
 
@@ -90,7 +90,6 @@ def share_one_ir_context() -> bool:
       context = local.context = fresh()
     return context
 
-  per_thread.shared_per_thread = True
   per_thread.fresh = fresh
   mlir.make_ir_context = per_thread
   return True
